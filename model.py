@@ -1,0 +1,351 @@
+"""A Llama forward pass from scratch, and loading of Hugging Face safetensors checkpoints.
+
+The architecture (Touvron et al., "LLaMA", 2023, section 2.2; "Llama 2", 2023, GQA):
+pre-normalisation with RMSNorm, rotary position embeddings (RoPE, Su et al. 2021) applied to queries
+and keys, grouped-query attention (several query heads share one K/V head), and a SwiGLU MLP.
+
+What speculative decoding needs from it, beyond a plain causal LM:
+- explicit `positions` and an explicit boolean `mask` over [cached tokens + new tokens], so a whole
+  tree of candidate tokens is scored in one pass, each node attending to the cache and to its own
+  ancestors only (see tree.py); with no mask the new tokens are causal, as in ordinary decoding;
+- `embeds` instead of token ids, for inputs that are not tokens (trained prompt tokens in PPD);
+- the final hidden states next to the logits (Medusa heads read them).
+
+Shapes: B batch, T new tokens, S = cached + T attended tokens, D hidden, H query heads,
+K key/value heads, G = H / K query heads per K/V head, E head_dim, V vocabulary.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from errors import UserError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_positions: int = 2048
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        """Read a Hugging Face Llama config.json (either the rope_theta/rope_scaling or the newer
+        rope_parameters spelling)."""
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"]
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise UserError(f"config.json is missing {', '.join(missing)}")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise UserError("config.json asks for attention/MLP biases, which Llama does not have")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        num_heads = hf["num_attention_heads"]
+        config = cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_positions=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+        )
+        if config.num_heads % config.num_kv_heads:
+            raise UserError(f"num_attention_heads ({config.num_heads}) is not a multiple of "
+                            f"num_key_value_heads ({config.num_kv_heads})")
+        rope_inverse_frequencies(config)  # reject an unsupported rope_scaling now, not mid-generation
+        return config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in float32 (as the reference does) so bfloat16 does not lose the small variance
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """theta_i = base^(-2i/E) for i < E/2, optionally rescaled for long context. [E/2], float64."""
+    dim = config.head_dim
+    inv_freq = config.rope_theta ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_scaled(inv_freq, scaling)
+    raise UserError(f"rope_scaling type {kind!r} is not supported (only 'linear' and 'llama3')")
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, and a smooth
+    interpolation between the two bands."""
+    old_context = s["original_max_position_embeddings"]
+    low_wavelen = old_context / s["low_freq_factor"]
+    high_wavelen = old_context / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    interpolated = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    in_between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_between, interpolated, scaled)
+
+
+def rotary_cos_sin(inv_freq, positions, dtype):
+    """cos and sin of position * theta_i, laid out for rotate-half: [B, 1, T, E]."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = positions.to(compute)[..., None] * inv_freq.to(compute)  # [B, T, E/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate each pair (x_i, x_{i+E/2}) by its angle. x: [B, heads, T, E]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        # q, k and v projections fused into one matrix: one matmul instead of three per layer
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_rows, bias=False)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer, cache, mask):
+        B, T, _ = x.shape
+        H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * E, K * E, K * E], dim=-1)
+        q = apply_rotary(q.view(B, T, H, E).transpose(1, 2), cos, sin)  # [B, H, T, E]
+        k = apply_rotary(k.view(B, T, K, E).transpose(1, 2), cos, sin)  # [B, K, T, E]
+        v = v.view(B, T, K, E).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # [B, K, S, E]: everything cached plus these T tokens
+        out = grouped_attention(q, k, v, mask)  # [B, H, T, E]
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * E))
+
+
+def grouped_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(E) + mask) v, with G query heads per K/V head and no copy of K/V.
+
+    q: [B, H, T, E]; k, v: [B, K, S, E]; mask: [T, S] or [B, T, S], True where attention is allowed.
+    (torch's SDPA would need `enable_gqa` and is slow on CPU in bfloat16 for one query token.)
+    """
+    B, H, T, E = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = H // K
+    q = q.reshape(B, K, G * T, E) * E ** -0.5  # the G heads of a group become extra query rows
+    scores = (q @ k.transpose(-1, -2)).view(B, K, G, T, S)
+    mask = mask.view(-1, 1, 1, T, S)  # broadcast over K/V heads and the G heads of each group
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matrix."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, layer, cache, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, layer, cache, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @property
+    def dtype(self):
+        return self.embed.weight.dtype
+
+    @property
+    def device(self):
+        return self.embed.weight.device
+
+    def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, mask=None):
+        """Run the transformer over T new inputs; returns the final (normed) hidden states [B, T, D].
+
+        tokens: [B, T] ids, or embeds: [B, T, D]; positions: [B, T] (or [T]) RoPE positions;
+        cache: a KVCache whose next T slots receive these tokens' K/V (None: no history);
+        mask: [T, S] or [B, T, S] booleans over [cached + new] (None: causal over the new tokens).
+        """
+        x = self.embed(tokens) if embeds is None else embeds.to(self.dtype)
+        T = x.shape[1]
+        cached = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.reserve(T)
+        if mask is None:
+            mask = causal_mask(cached, T, x.device)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions.view(-1, T), x.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, index, cache, mask)
+        return self.norm(x)
+
+    def logits(self, hidden):
+        """[B, T, D] -> [B, T, V]. Kept separate so callers project only the positions they need."""
+        return self.lm_head(hidden)
+
+    def forward(self, tokens=None, *, embeds=None, positions, cache=None, mask=None):
+        """(logits [B, T, V], hidden states [B, T, D]) for every new input."""
+        hidden = self.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, mask=mask)
+        return self.logits(hidden), hidden
+
+
+def causal_mask(cached: int, new: int, device) -> torch.Tensor:
+    """[new, cached + new]: every new token sees the whole cache and the new tokens up to itself."""
+    return torch.ones(new, cached + new, dtype=torch.bool, device=device).tril(diagonal=cached)
+
+
+# ---- loading Hugging Face checkpoints ------------------------------------------------------------
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def load_checkpoint(folder, dtype=torch.float32, device="cpu") -> Llama:
+    """A Llama from a Hugging Face folder: config.json + model.safetensors (or sharded with
+    model.safetensors.index.json). Pickle checkpoints are refused: unpickling can run arbitrary code."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"model directory {folder} does not exist")
+    config = LlamaConfig.from_hf(read_config(folder))
+    hf = read_safetensors(folder)
+    for name, shape in hf_weight_shapes(config).items():
+        if name not in hf:
+            raise UserError(f"the checkpoint has no tensor {name}")
+        if tuple(hf[name].shape) != shape:
+            raise UserError(f"tensor {name} has shape {tuple(hf[name].shape)}, but config.json implies {shape}")
+    with torch.device("meta"):
+        model = Llama(config)
+    state = {name: w.to(device=device, dtype=dtype) for name, w in fused_weights(hf, config).items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inverse_frequencies(config).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise UserError(f"{folder} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err}") from None
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise UserError(f"{folder} holds only pickle weights ({', '.join(pickles)}); they are refused "
+                            "because loading a pickle can execute code. Convert them to safetensors first.")
+        raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for shard in shards:
+        try:
+            tensors.update(load_file(folder / shard))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"cannot read {folder / shard}: {err}") from None
+    return tensors
+
+
+def hf_weight_shapes(c: LlamaConfig) -> dict[str, tuple]:
+    """Every tensor a Hugging Face Llama checkpoint must hold, with the shape its config implies."""
+    D, F, V, E = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (c.num_heads * E, D),
+            p + "self_attn.k_proj.weight": (c.num_kv_heads * E, D),
+            p + "self_attn.v_proj.weight": (c.num_kv_heads * E, D),
+            p + "self_attn.o_proj.weight": (D, c.num_heads * E),
+            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+    return shapes
+
+
+def fused_weights(hf: dict[str, torch.Tensor], c: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> this module's, concatenating q/k/v and gate/up."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out["lm_head.weight"] = out["embed.weight"] if c.tie_embeddings else hf["lm_head.weight"]
+    for i in range(c.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "attention_norm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "mlp_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "attention.wqkv.weight"] = torch.cat([hf[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"])
+        out[dst + "attention.wo.weight"] = hf[src + "self_attn.o_proj.weight"]
+        out[dst + "mlp.w_gate_up.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
+                                                       hf[src + "mlp.up_proj.weight"]])
+        out[dst + "mlp.w_down.weight"] = hf[src + "mlp.down_proj.weight"]
+    return out

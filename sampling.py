@@ -1,0 +1,57 @@
+"""How logits become the distribution p that decoding samples from: temperature, top-k, top-p.
+
+This is the single definition of p. Vanilla sampling draws from it and every verifier judges drafts
+against it, so the two can never disagree (a serving engine once shipped a bug where top-p was
+applied on one side only, silently changing the output distribution).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from errors import UserError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy: always the argmax
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # 1 means no nucleus cut
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """p = softmax(logits / temperature), restricted to the top-k and then to the smallest set of
+    tokens whose mass reaches top-p, renormalised. logits: [..., V] -> probabilities [..., V]
+    (float32, or float64 for float64 logits)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
+    if sampling.top_k:
+        kth_largest = logits.topk(min(sampling.top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # a token stays if the more likely tokens before it have not yet reached top_p
+        drop_sorted = mass_before >= sampling.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, generator=None) -> int:
+    """The next token from one position's logits [V]: argmax when greedy, else a draw from p."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
