@@ -77,6 +77,11 @@ class LlamaConfig:
         return config
 
 
+def at_least_float32(dtype):
+    """float32 for 16-bit dtypes, else the dtype itself (float64 models stay float64 throughout)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -84,9 +89,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in float32 (as the reference does) so bfloat16 does not lose the small variance
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # normalise in at least float32 so bfloat16 does not lose the small variance
+        wide = x.to(at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -121,8 +126,8 @@ def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rotary_cos_sin(inv_freq, positions, dtype):
     """cos and sin of position * theta_i, laid out for rotate-half: [B, 1, T, E]."""
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    angles = positions.to(compute)[..., None] * inv_freq.to(compute)  # [B, T, E/2]
+    wide = at_least_float32(dtype)
+    angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [B, T, E/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -134,14 +139,40 @@ def apply_rotary(x, cos, sin):
     return x * cos + rotated * sin
 
 
+class Linear(nn.Linear):
+    """y = x W^T, computed on the CPU for a few rows of x as a batched matmul over row blocks of W.
+
+    Decoding multiplies a handful of token vectors by each weight matrix, so it is bound by reading
+    the weights from memory. For 2-16 rows, the CPU GEMM in PyTorch's stock build (MKL, AVX2) costs
+    about twice one row, apparently because it repacks the whole matrix on every call; splitting W
+    into blocks of `BLOCK_ROWS` rows (a free view) and multiplying all blocks by x in one
+    `torch.bmm` keeps each block in cache. Measured with bench.py; large inputs (prefill) and GPUs
+    use the ordinary GEMM.
+    """
+
+    BLOCK_ROWS = 64
+    MAX_ROWS = 32
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1]
+        out_features, in_features = self.weight.shape
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_ROWS
+                or out_features % self.BLOCK_ROWS):
+            return F.linear(x, self.weight)
+        blocks = self.weight.view(-1, self.BLOCK_ROWS, in_features)  # [O/64, 64, I]
+        x_columns = x.reshape(rows, in_features).T.expand(len(blocks), in_features, rows)
+        y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
+        return y.view(out_features, rows).T.reshape(*x.shape[:-1], out_features)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         # q, k and v projections fused into one matrix: one matmul instead of three per layer
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.hidden_size, qkv_rows, bias=False)
-        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.wqkv = Linear(config.hidden_size, qkv_rows, bias=False)
+        self.wo = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer, cache, mask):
         B, T, _ = x.shape
@@ -169,7 +200,7 @@ def grouped_attention(q, k, v, mask):
     scores = (q @ k.transpose(-1, -2)).view(B, K, G, T, S)
     mask = mask.view(-1, 1, 1, T, S)  # broadcast over K/V heads and the G heads of each group
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=at_least_float32(q.dtype)).to(q.dtype)
     return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E)
 
 
@@ -178,8 +209,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
@@ -206,7 +237,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
@@ -265,7 +296,11 @@ def load_checkpoint(folder, dtype=torch.float32, device="cpu") -> Llama:
     if not folder.is_dir():
         raise UserError(f"model directory {folder} does not exist")
     config = LlamaConfig.from_hf(read_config(folder))
-    hf = read_safetensors(folder)
+    return build_model(config, read_safetensors(folder), dtype, device)
+
+
+def build_model(config: LlamaConfig, hf: dict[str, torch.Tensor], dtype=torch.float32, device="cpu") -> Llama:
+    """A Llama from Hugging Face-named tensors, each checked against the shape the config implies."""
     for name, shape in hf_weight_shapes(config).items():
         if name not in hf:
             raise UserError(f"the checkpoint has no tensor {name}")

@@ -1,0 +1,91 @@
+"""Shared test helpers: random tiny Llama checkpoints (float64 by default, so numerical near-ties
+cannot flip an argmax) and the real default model, converted once per session."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model import LlamaConfig, build_model, hf_weight_shapes  # noqa: E402
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
+settings.register_profile("thorough", deadline=None, max_examples=500)
+settings.load_profile("ci")
+
+
+def tiny_hf_config(layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, tied=False, **extra) -> dict:
+    """A Hugging Face style config.json for a tiny Llama."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": heads * head_dim, "intermediate_size": 3 * heads * head_dim,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
+        **extra,
+    }
+
+
+def random_hf_weights(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under Hugging Face names; large enough that logits are far from uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in hf_weight_shapes(LlamaConfig.from_hf(hf_config)).items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        else:
+            weights[name] = torch.randn(shape, generator=gen, dtype=torch.float64) * shape[-1] ** -0.5 * 2
+    return weights
+
+
+def random_model(hf_config: dict, seed: int = 0, dtype=torch.float64):
+    return build_model(LlamaConfig.from_hf(hf_config), random_hf_weights(hf_config, seed), dtype)
+
+
+def write_checkpoint(folder: Path, hf_config: dict, seed: int = 0, weights=None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    weights = random_hf_weights(hf_config, seed) if weights is None else weights
+    save_file({k: v.float().contiguous() for k, v in weights.items()}, folder / "model.safetensors")
+    return folder
+
+
+def write_tiny_tokenizer(folder: Path) -> int:
+    """A byte-level BPE tokenizer.json trained on a few sentences; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from convert import default_model_dir as convert_once
+
+    return convert_once()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    from model import load_checkpoint
+
+    return load_checkpoint(default_model_dir, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from tokenizer import Tokenizer
+
+    return Tokenizer(default_model_dir)
