@@ -1,0 +1,206 @@
+"""Vanilla decoding and the command line: exact stopping, sampling, JSON output, and clear one-line
+errors (never a traceback) for every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, random_model, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
+from decode import generate, main
+from sampling import Sampling, target_probs
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    vocab = write_tiny_tokenizer(folder)
+    write_checkpoint(folder, tiny_hf_config(vocab=vocab, eos_token_id=2, max_position_embeddings=64))
+    return folder
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exit:
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *fragments):
+    """A non-zero exit, no traceback, and exactly one error line, the last thing printed (a progress
+    line such as "Loaded ..." may come before it)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    assert code != 0
+    assert "Traceback" not in err
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+# ---- stopping exactly ------------------------------------------------------------------------------
+
+def test_stops_exactly_at_max_new_tokens():
+    model = random_model(tiny_hf_config(vocab=32))
+    for limit in (1, 2, 7):
+        gen = generate(model, [3, 4, 5], max_new_tokens=limit, eos_ids=set())
+        assert len(gen.token_ids) == limit and gen.stop_reason == "max_new_tokens"
+        assert gen.forward_passes == limit  # the prefill pass yields the first token
+
+
+def test_stops_exactly_at_the_first_eos():
+    model = random_model(tiny_hf_config(vocab=32), seed=3)
+    free = generate(model, [3, 4, 5], max_new_tokens=20, eos_ids=set()).token_ids
+    for k, eos in enumerate(free):
+        first = free.index(eos)
+        gen = generate(model, [3, 4, 5], max_new_tokens=20, eos_ids={eos})
+        assert gen.token_ids == free[:first + 1] and gen.stop_reason == "eos", k
+
+
+def test_stops_at_the_context_limit():
+    model = random_model(tiny_hf_config(vocab=32, max_position_embeddings=12))
+    gen = generate(model, [1] * 9, max_new_tokens=50, eos_ids=set())
+    assert len(gen.token_ids) == 3 and gen.stop_reason == "context"
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = random_model(tiny_hf_config(vocab=32))
+    def draw(seed):
+        return generate(model, [3, 4], max_new_tokens=10, eos_ids=set(), sampling=Sampling(1.0),
+                        generator=torch.Generator().manual_seed(seed)).token_ids
+    assert draw(7) == draw(7)
+    assert len({tuple(draw(s)) for s in range(5)}) > 1
+
+
+def test_top_k_and_top_p_shape_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(target_probs(logits, Sampling(1.0)), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(target_probs(logits, Sampling(1.0, top_k=2)), torch.tensor([0.625, 0.375, 0, 0]))
+    # top-p keeps the smallest prefix whose mass reaches p: 0.5 < 0.7 <= 0.5 + 0.3
+    assert torch.allclose(target_probs(logits, Sampling(1.0, top_p=0.7)), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(target_probs(logits, Sampling(1.0, top_p=0.5)), torch.tensor([1.0, 0, 0, 0]))
+    sharpened = target_probs(logits, Sampling(0.5))
+    assert torch.allclose(sharpened, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+def test_json_output_has_the_statistics(capsys, tiny_folder):
+    code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "the quick fox",
+                             "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    for key in ("method", "prompt_tokens", "new_tokens", "forward_passes", "tokens_per_pass",
+                "decode_seconds", "tokens_per_second", "text", "token_ids"):
+        assert key in record
+    assert record["method"] == "vanilla" and record["new_tokens"] == len(record["token_ids"]) <= 5
+
+
+def test_prompt_file_runs_every_prompt(capsys, tiny_folder, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the dog"}\n\n{"prompt": "over the"}\n')
+    code, out, _ = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt-file", str(prompts),
+                           "--max-new-tokens", "3", "--json")
+    assert code == 0 and len(out.splitlines()) == 2
+
+
+def test_streams_text_and_prints_a_summary(capsys, tiny_folder):
+    code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "the",
+                             "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "1")
+    assert code == 0 and "tokens/pass" in err
+
+
+def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((tiny_folder / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_folder / "config.json").read_text())
+    weights = load_file(tiny_folder / "model.safetensors")
+    if edit_config:
+        edit_config(config)
+    if edit_weights:
+        edit_weights(weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(weights, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["--max-new-tokens", "-3"], ["--max-new-tokens"]),
+    (["--method", "warp-drive"], ["--method", "warp-drive"]),
+    (["--dtype", "int3"], ["--dtype"]),
+    (["--device", "tpu"], ["tpu"]),
+    (["--top-p", "1.5"], ["top-p"]),
+    (["--temperature", "-1"], ["temperature"]),
+    (["--prompt", "   "], ["empty"]),
+])
+def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):
+    base = ["--model", str(tiny_folder), "--raw"] + ([] if "--prompt" in argv else ["--prompt", "hi"])
+    assert_one_line_error(*run_cli(capsys, *base, *argv)[::2], *fragments)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(capsys, tiny_folder):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--device", "cuda",
+                                   "--prompt", "hi")[::2], "CUDA")
+
+
+def test_missing_model_directory(capsys, tmp_path):
+    assert_one_line_error(*run_cli(capsys, "--model", str(tmp_path / "nope"), "--prompt", "hi")[::2],
+                          "does not exist")
+
+
+def test_config_missing_a_field(capsys, tiny_folder, tmp_path):
+    folder = broken_copy(tiny_folder, tmp_path, edit_config=lambda c: c.pop("hidden_size"))
+    assert_one_line_error(*run_cli(capsys, "--model", str(folder), "--prompt", "hi")[::2], "hidden_size")
+
+
+def test_weight_of_the_wrong_shape(capsys, tiny_folder, tmp_path):
+    def shrink(weights):
+        name = "model.layers.0.mlp.up_proj.weight"
+        weights[name] = weights[name][:-1].contiguous()
+    folder = broken_copy(tiny_folder, tmp_path, edit_weights=shrink)
+    assert_one_line_error(*run_cli(capsys, "--model", str(folder), "--prompt", "hi")[::2], "up_proj", "shape")
+
+
+def test_pickle_checkpoints_are_refused(capsys, tiny_folder, tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_folder / "config.json").read_text())
+    (folder / "pytorch_model.bin").write_bytes(b"not even opened")
+    assert_one_line_error(*run_cli(capsys, "--model", str(folder), "--prompt", "hi")[::2], "pickle")
+
+
+def test_prompt_longer_than_the_context(capsys, tiny_folder):
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--raw",
+                                   "--prompt", "the quick brown fox " * 40)[::2], "context")
+
+
+def test_bad_prompt_files(capsys, tiny_folder, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--prompt-file", str(bad))[::2], ":2")
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--prompt-file",
+                                   str(tmp_path / "missing.jsonl"))[::2], "does not exist")
+
+
+def test_the_real_entry_point_prints_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--model", str(tmp_path / "nope"),
+                             "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("error:") and "Traceback" not in result.stderr
+
+
+def test_default_model_answers_coherently(capsys):
+    code, out, err = run_cli(capsys, "--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+                             "--json")
+    assert code == 0, err
+    assert "Paris" in json.loads(out)["text"]
