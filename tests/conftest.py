@@ -2,6 +2,7 @@
 cannot flip an argmax) and the real default model, converted once per session."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from model import LlamaConfig, build_model, hf_weight_shapes  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=500)
-settings.load_profile("ci")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def tiny_hf_config(layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, tied=False, **extra) -> dict:
