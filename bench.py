@@ -6,7 +6,8 @@
 Two tables per dtype, each measured side by side in one run, interleaving the two implementations
 so that machine noise hits both alike:
 1. vanilla greedy decoding, tokens/s: our `decode.generate` vs transformers' `generate` on the same
-   checkpoint and prompts, both producing exactly --new-tokens tokens (end-of-sequence ignored);
+   checkpoint and prompts, both producing exactly --new-tokens tokens (end-of-sequence ignored),
+   alternating ours/theirs for --rounds rounds and reporting each one's median;
 2. step latency L(T): one forward pass feeding T new tokens on top of 256 or 1024 cached tokens,
    logits included, the median of --reps runs. L(T)/L(1) near 1 means verifying T drafted tokens
    costs about as much as generating one, the premise of every speculative method.
@@ -88,12 +89,19 @@ def bench_dtype(name, args, tokenizer):
         from transformers import LlamaForCausalLM
         theirs = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
-    print(f"\n## {name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s", flush=True)
+    print(f"\n## {name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s "
+          f"(median of {args.rounds} rounds)", flush=True)
     rows = []
+    ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels
     for prompt in PROMPTS:
         ids = tokenizer.prompt_ids(prompt, raw=False)
-        ours_tps = ours_tokens_per_second(ours, ids, args.new_tokens)
-        theirs_tps = theirs_tokens_per_second(theirs, ids, args.new_tokens) if theirs else None
+        ours_runs, theirs_runs = [], []
+        for _ in range(args.rounds):
+            ours_runs.append(ours_tokens_per_second(ours, ids, args.new_tokens))
+            if theirs:
+                theirs_runs.append(theirs_tokens_per_second(theirs, ids, args.new_tokens))
+        ours_tps = statistics.median(ours_runs)
+        theirs_tps = statistics.median(theirs_runs) if theirs else None
         rows.append([prompt[:40], f"{ours_tps:.1f}", fmt(theirs_tps), ratio(ours_tps, theirs_tps)])
         print(f"  {prompt[:40]!r}: ours {ours_tps:.1f}, transformers {fmt(theirs_tps)}", file=sys.stderr, flush=True)
     print(table(["prompt", "ours tok/s", "transformers tok/s", "ours / transformers"], rows))
@@ -125,11 +133,12 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="dtypes to measure")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
     p.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
     p.add_argument("--skip-transformers", action="store_true", help="measure our model only")
     args = p.parse_args(argv)
-    if args.new_tokens < 1 or args.reps < 1:
-        p.error("--new-tokens and --reps must be at least 1")
+    if min(args.new_tokens, args.reps, args.rounds) < 1:
+        p.error("--new-tokens, --rounds and --reps must be at least 1")
     print(f"# bench.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())

@@ -200,8 +200,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = hf_config(meta, tied)
 
     def progress(done, total):
-        print(f"\r  dequantizing tensors: {done}/{total}", end="\n" if done == total else "",
-              file=sys.stderr, flush=True)
+        if sys.stderr.isatty() or done == total:  # redraw one line on a terminal, else print once
+            print(f"\r  dequantized {done}/{total} tensors", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
 
     tensors = dequantized_tensors(reader, config, progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

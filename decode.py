@@ -35,6 +35,7 @@ class Generation:
     forward_passes: int = 0  # including the prefill pass, which yields the first token
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # the whole generation, prefill included
+    kv_cache_bytes: int = 0  # memory preallocated for keys and values
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
@@ -47,7 +48,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
         raise UserError("the prompt is empty")
     budget = min(max_new_tokens, context - len(prompt_ids))
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + budget)
-    out = Generation()
+    out = Generation(kv_cache_bytes=cache.memory_bytes())
     start = now(model)
 
     tokens = torch.tensor([prompt_ids], device=model.device)
@@ -207,6 +208,7 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "prefill_seconds": round(gen.prefill_seconds, 4),
         "decode_seconds": round(gen.decode_seconds, 4),
         "tokens_per_second": round(new / gen.decode_seconds, 3),
+        "kv_cache_bytes": gen.kv_cache_bytes,
         "temperature": args.temperature,
         "seed": seed,
     }
@@ -248,8 +250,12 @@ def interactive(args, model, tokenizer, sampling):
         except EOFError:
             print(file=sys.stderr)
             return
-        if prompt.strip():
+        if not prompt.strip():
+            continue
+        try:
             run_prompt(args, model, tokenizer, prompt, sampling)
+        except UserError as err:  # e.g. a prompt longer than the context: say so, keep the session
+            print(f"error: {err}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -146,8 +146,9 @@ class Linear(nn.Linear):
     the weights from memory. For 2-16 rows, the CPU GEMM in PyTorch's stock build (MKL, AVX2) costs
     about twice one row, apparently because it repacks the whole matrix on every call; splitting W
     into blocks of `BLOCK_ROWS` rows (a free view) and multiplying all blocks by x in one
-    `torch.bmm` keeps each block in cache. Measured with bench.py; large inputs (prefill) and GPUs
-    use the ordinary GEMM.
+    `torch.bmm` keeps each block in cache; on a 2-core AVX2 machine this was faster than F.linear at
+    every T from 1 to 32 (README, "Speed"). Large inputs (prefill), other dtypes and GPUs use the
+    ordinary GEMM.
     """
 
     BLOCK_ROWS = 64
@@ -196,12 +197,15 @@ def grouped_attention(q, k, v, mask):
     B, H, T, E = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
+    # in at least float32: this CPU has no fast bfloat16 matmul, and K/V are small enough to convert
+    out_dtype, wide = q.dtype, at_least_float32(q.dtype)
+    q, k, v = q.to(wide), k.to(wide), v.to(wide)
     q = q.reshape(B, K, G * T, E) * E ** -0.5  # the G heads of a group become extra query rows
     scores = (q @ k.transpose(-1, -2)).view(B, K, G, T, S)
     mask = mask.view(-1, 1, 1, T, S)  # broadcast over K/V heads and the G heads of each group
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=at_least_float32(q.dtype)).to(q.dtype)
-    return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E)
+    probs = torch.softmax(scores, dim=-1)
+    return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E).to(out_dtype)
 
 
 class MLP(nn.Module):
