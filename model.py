@@ -197,7 +197,8 @@ def grouped_attention(q, k, v, mask):
     B, H, T, E = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
-    # in at least float32: this CPU has no fast bfloat16 matmul, and K/V are small enough to convert
+    # in at least float32: CPUs without bfloat16 instructions (AVX2-only) multiply bfloat16 slowly,
+    # and K/V are small enough to convert on every call
     out_dtype, wide = q.dtype, at_least_float32(q.dtype)
     q, k, v = q.to(wide), k.to(wide), v.to(wide)
     q = q.reshape(B, K, G * T, E) * E ** -0.5  # the G heads of a group become extra query rows
