@@ -1,12 +1,20 @@
-"""The decoding loop, the command line, and the statistics it prints.
+"""The guess-and-verify decoding loop, the command line, and the statistics it prints.
 
-    python decode.py --prompt "Write a haiku about the sea."
-    python decode.py --prompt-file prompts.jsonl --json
+    python decode.py --method anpd --prompt "Write a haiku about the sea."
+    python decode.py --method lookahead --prompt-file prompts.jsonl --json
 
-Vanilla autoregressive decoding: one forward pass per new token, each reading the KV cache of
-everything before it. The prefill pass over the prompt yields the first new token; every later
-pass feeds the previous token and yields the next, until --max-new-tokens, an end-of-sequence
-token, or the model's context length, whichever comes first.
+Every method is one loop with a different drafter (drafters.py), as in Leviathan et al. 2023
+(Algorithm 1) and Stern et al. 2018 (section 3): the prefill pass over the prompt yields the first
+new token, the *root*. Then, until --max-new-tokens, an end-of-sequence token or the context limit:
+
+    tree    = drafter.propose()                   # guessed continuations of the root (tree.py)
+    logits  = model(tree.tokens, positions = cache length + depth,
+                    mask = cache + ancestors)     # ONE forward pass scores every guess
+    verdict = verify(tree, logits)                # accepted path + the model's bonus token (verify.py)
+    cache.keep(path)                              # K/V of the accepted nodes only, packed
+    drafter.extend(verdict.tokens)                # n-gram / trie statistics learn the new tokens
+
+Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone.
 """
 
 import argparse
@@ -19,11 +27,17 @@ from pathlib import Path
 
 import torch
 
+from drafters import Drafter, NGramDrafter, TrieDrafter
 from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, choose_token
+from verify import verify
 
-METHODS = {"vanilla": "plain autoregressive decoding, one forward pass per token"}
+METHODS = {
+    "vanilla": "plain autoregressive decoding, one forward pass per token",
+    "anpd": "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
+    "lookahead": "trie-based retrieval of several guessed branches from prompts and earlier output",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -31,44 +45,99 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 class Generation:
     """What one prompt produced, and what it cost."""
     token_ids: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)  # per new token: an accepted guess?
     stop_reason: str = ""  # "eos", "max_new_tokens" or "context"
     forward_passes: int = 0  # including the prefill pass, which yields the first token
+    draft_tokens_proposed: int = 0  # guessed tree nodes sent through the model
+    draft_tokens_accepted: int = 0  # of those, tokens that became output
     prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0  # proposing guesses and updating the drafter
+    forward_seconds: float = 0.0  # forward passes after the prefill, logits included
     decode_seconds: float = 0.0  # the whole generation, prefill included
     kv_cache_bytes: int = 0  # memory preallocated for keys and values
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
-             sampling: Sampling = Sampling(), generator=None, on_tokens=None) -> Generation:
-    """Vanilla decoding of one prompt. `on_tokens(ids)` is called with each token as it is chosen."""
+             drafter: Drafter | None = None, sampling: Sampling = Sampling(), generator=None,
+             on_tokens=None) -> Generation:
+    """Decode one prompt with `drafter`'s guesses (none: vanilla). `on_tokens(ids, guessed)` is
+    called after every pass with its new tokens, of which the first `guessed` were accepted guesses."""
     context = model.config.max_positions
-    if len(prompt_ids) >= context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
     if not prompt_ids:
         raise UserError("the prompt is empty")
+    if len(prompt_ids) >= context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+    drafter = drafter or Drafter()
     budget = min(max_new_tokens, context - len(prompt_ids))
-    cache = KVCache.for_model(model, capacity=len(prompt_ids) + budget)
+    cache = KVCache.for_model(model, capacity=len(prompt_ids) + budget + drafter.max_draft_tokens)
     out = Generation(kv_cache_bytes=cache.memory_bytes())
     start = now(model)
 
+    logits = prefill(model, prompt_ids, cache)
+    out.forward_passes, out.prefill_seconds = 1, now(model) - start
+    new_tokens = accept(out, [choose_token(logits, sampling, generator)], 0, max_new_tokens, budget,
+                        eos_ids, on_tokens)
+    clock = now(model)
+    drafter.begin(prompt_ids)
+    try:
+        while True:
+            drafter.extend(new_tokens)
+            if out.stop_reason:
+                break
+            # guesses deeper than the tokens still wanted are wasted work: cut them
+            tree = drafter.propose().truncated(budget - len(out.token_ids) - 1)
+            out.draft_seconds += now(model) - clock
+
+            clock = now(model)
+            tree_start = cache.length
+            verdict = verify(tree, score_tree(model, cache, tree), sampling, generator)
+            cache.keep(tree_start, verdict.path)  # the rejected guesses' K/V are dropped
+            out.forward_passes += 1
+            out.forward_seconds += now(model) - clock
+
+            out.draft_tokens_proposed += tree.draft_size
+            new_tokens = accept(out, verdict.tokens, verdict.accepted_guesses, max_new_tokens,
+                                budget, eos_ids, on_tokens)
+            clock = now(model)
+        out.draft_seconds += now(model) - clock
+    finally:
+        drafter.end()
+    out.decode_seconds = now(model) - start
+    return out
+
+
+def prefill(model, prompt_ids: list[int], cache: KVCache) -> torch.Tensor:
+    """Run the prompt through the model, filling the cache; the logits [V] after its last token."""
     tokens = torch.tensor([prompt_ids], device=model.device)
-    while True:
-        positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=model.device)
-        hidden = model.hidden_states(tokens, positions=positions, cache=cache)
-        next_token = choose_token(model.logits(hidden[0, -1]), sampling, generator)
-        out.forward_passes += 1
-        if out.forward_passes == 1:
-            out.prefill_seconds = now(model) - start
-        out.token_ids.append(next_token)
-        if on_tokens:
-            on_tokens([next_token])
+    hidden = model.hidden_states(tokens, positions=torch.arange(len(prompt_ids), device=model.device),
+                                 cache=cache)
+    return model.logits(hidden[0, -1])
+
+
+def score_tree(model, cache: KVCache, tree) -> torch.Tensor:
+    """One forward pass over every node of the tree, appended to the cache: logits [N, V]."""
+    hidden = model.hidden_states(torch.tensor([tree.tokens], device=model.device),
+                                 positions=tree.positions(cache.length, model.device),
+                                 cache=cache, mask=tree.attention_mask(cache.length, model.device))
+    return model.logits(hidden[0])
+
+
+def accept(out: Generation, tokens: list[int], guessed: int, max_new_tokens: int, budget: int,
+           eos_ids: set[int], on_tokens) -> list[int]:
+    """Append a pass's new tokens one by one, stopping exactly where vanilla decoding would (at an
+    end-of-sequence token, --max-new-tokens or the context); returns the tokens kept."""
+    kept = []
+    for token in tokens:
+        out.token_ids.append(token)
+        out.from_draft.append(len(kept) < guessed)
+        kept.append(token)
         out.stop_reason = stop_reason(out.token_ids, max_new_tokens, budget, eos_ids)
         if out.stop_reason:
             break
-        tokens = torch.tensor([[next_token]], device=model.device)
-
-    out.decode_seconds = now(model) - start
-    return out
+    out.draft_tokens_accepted += min(guessed, len(kept))
+    if on_tokens:
+        on_tokens(kept, min(guessed, len(kept)))
+    return kept
 
 
 def stop_reason(token_ids: list[int], max_new_tokens: int, budget: int, eos_ids: set[int]) -> str:
@@ -128,7 +197,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (text, token ids and statistics) instead of "
                         "streaming text")
+    p.add_argument("--show-accepts", action="store_true",
+                   help="highlight the tokens that came from accepted guesses (green on a terminal, "
+                        "else between ⟦ and ⟧)")
+    anpd = p.add_argument_group("anpd (Ou et al. 2024)")
+    anpd.add_argument("--ngram-n", type=int, default=5, metavar="N",
+                      help="longest n-gram level; levels 2..N are kept and the longest match wins")
+    anpd.add_argument("--ngram-k", type=int, default=7, metavar="K", help="guessed tokens per step")
+    look = p.add_argument_group("lookahead (Zhao et al. 2023)")
+    look.add_argument("--decoding-length", type=int, default=16,
+                      help="guessed tokens per step, over all branches")
+    look.add_argument("--branch-length", type=int, default=8, help="the longest guessed branch")
+    look.add_argument("--lookahead-mode", default="hierarchical", choices=["hierarchical", "parallel"],
+                      help="merge branches that share a prefix (hierarchical) or lay them side by side")
     return p
+
+
+def make_drafter(args) -> Drafter:
+    """One drafter for the whole process: Lookahead's trie keeps learning across prompts."""
+    if args.method == "anpd":
+        return NGramDrafter(n=args.ngram_n, k=args.ngram_k)
+    if args.method == "lookahead":
+        return TrieDrafter(args.decoding_length, args.branch_length,
+                           hierarchical=args.lookahead_mode == "hierarchical")
+    return Drafter()
 
 
 def check_args(args) -> None:
@@ -136,6 +228,9 @@ def check_args(args) -> None:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.seed is not None and args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.method != "vanilla" and args.temperature > 0:
+        raise UserError(f"--method {args.method} verifies greedily for now; sampling (--temperature > 0) "
+                        "needs speculative sampling, which is not implemented yet")
 
 
 def parse_device(name: str) -> torch.device:
@@ -205,7 +300,11 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "stop_reason": gen.stop_reason,
         "forward_passes": gen.forward_passes,
         "tokens_per_pass": round(new / gen.forward_passes, 4),
+        "draft_tokens_proposed": gen.draft_tokens_proposed,
+        "draft_tokens_accepted": gen.draft_tokens_accepted,
         "prefill_seconds": round(gen.prefill_seconds, 4),
+        "draft_seconds": round(gen.draft_seconds, 4),
+        "forward_seconds": round(gen.forward_seconds, 4),
         "decode_seconds": round(gen.decode_seconds, 4),
         "tokens_per_second": round(new / gen.decode_seconds, 3),
         "kv_cache_bytes": gen.kv_cache_bytes,
@@ -215,34 +314,54 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
 
 
 def summary_line(stats: dict) -> str:
+    guesses = ""
+    if stats["method"] != "vanilla":
+        guesses = (f", guesses accepted {stats['draft_tokens_accepted']}/{stats['draft_tokens_proposed']}"
+                   f", drafting {stats['draft_seconds']:.2f}s vs forward {stats['forward_seconds']:.2f}s")
     return (f"[{stats['method']}: {stats['new_tokens']} new tokens ({stats['stop_reason']}), "
-            f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass, "
+            f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass{guesses}, "
             f"{stats['tokens_per_second']:.1f} tokens/s, {stats['decode_seconds']:.2f}s]")
 
 
-def run_prompt(args, model, tokenizer, prompt: str, sampling: Sampling) -> None:
-    from tokenizer import StreamDecoder
+class TokenPrinter:
+    """Streams text as tokens arrive; with `highlight`, marks the ones that were accepted guesses."""
 
+    def __init__(self, tokenizer, highlight: bool):
+        from tokenizer import StreamDecoder
+
+        self.stream = StreamDecoder(tokenizer)
+        self.highlight = highlight
+        self.marks = ("\x1b[30;42m", "\x1b[0m") if sys.stdout.isatty() else ("⟦", "⟧")
+
+    def __call__(self, ids: list[int], guessed: int) -> None:
+        guessed_text = self.stream.push(ids[:guessed])
+        if self.highlight and guessed_text:
+            guessed_text = guessed_text.join(self.marks)
+        print(guessed_text + self.stream.push(ids[guessed:]), end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.stream.flush(), flush=True)
+
+
+def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling) -> None:
     prompt_ids = tokenizer.prompt_ids(prompt, raw=args.raw)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     generator = torch.Generator(model.device).manual_seed(seed)
-    stream = StreamDecoder(tokenizer)
-
-    def print_tokens(ids):
-        print(stream.push(ids), end="", flush=True)
-
+    printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts)
     gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                   sampling=sampling, generator=generator, on_tokens=None if args.json else print_tokens)
+                   drafter=drafter, sampling=sampling, generator=generator, on_tokens=printer)
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
     if args.json:
         stats |= {"text": tokenizer.decode(gen.token_ids), "token_ids": gen.token_ids}
+        if args.show_accepts:
+            stats["from_draft"] = gen.from_draft
         print(json.dumps(stats, ensure_ascii=False), flush=True)
     else:
-        print(stream.flush(), flush=True)
+        printer.finish()
         print(summary_line(stats), file=sys.stderr, flush=True)
 
 
-def interactive(args, model, tokenizer, sampling):
+def interactive(args, model, tokenizer, drafter, sampling):
     print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
@@ -253,7 +372,7 @@ def interactive(args, model, tokenizer, sampling):
         if not prompt.strip():
             continue
         try:
-            run_prompt(args, model, tokenizer, prompt, sampling)
+            run_prompt(args, model, tokenizer, drafter, prompt, sampling)
         except UserError as err:  # e.g. a prompt longer than the context: say so, keep the session
             print(f"error: {err}", file=sys.stderr)
 
@@ -267,12 +386,13 @@ def main(argv=None) -> int:
         prompts = [] if is_interactive else read_prompts(args)
         if any(not p.strip() for p in prompts):
             raise UserError("the prompt is empty")
+        drafter = make_drafter(args)
         model, tokenizer = load(args)
         with torch.inference_mode():
             if is_interactive:
-                interactive(args, model, tokenizer, sampling)
+                interactive(args, model, tokenizer, drafter, sampling)
             for prompt in prompts:
-                run_prompt(args, model, tokenizer, prompt, sampling)
+                run_prompt(args, model, tokenizer, drafter, prompt, sampling)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,283 @@
+"""Drafters: where the guesses come from. Each one proposes a candidate tree rooted at the last
+chosen token; decode.py verifies it and tells the drafter which tokens were accepted.
+
+    drafter.begin(prompt_ids)   # a new request
+    drafter.propose() -> Tree   # guesses after history[-1] (the root)
+    drafter.extend(new_tokens)  # the tokens the verifier accepted (guesses + the bonus token)
+    drafter.end()               # the request is over
+
+- `Drafter` itself proposes nothing: that is vanilla decoding.
+- `NGramDrafter`: ANPD (Ou et al. 2024, "Lossless Acceleration of Large Language Model via Adaptive
+  N-gram Parallel Decoding"): a multi-level n-gram table (section 3.2, Algorithm 2) built from the
+  prompt and updated with every accepted token (section 3.1; A.8 "Runtime Update"), drafting a chain
+  of K tokens (Algorithm 1, lines 11-16). Defaults N=5, K=7 (section 4.4).
+- `TrieDrafter`: Lookahead (Zhao et al. 2023, "Lookahead: An Inference Acceleration Framework for
+  Large Language Model with Lossless Generation Accuracy"): a trie of token sequences from the prompt
+  and from generated output (section 4.3.1), queried with multi-stage retrieval (section 4.3.2) for a
+  multi-branch draft, hierarchical or parallel (section 4.2). The trie outlives requests.
+"""
+
+import heapq
+from collections.abc import Sequence
+
+from errors import UserError
+from tree import Tree
+
+
+class Drafter:
+    """The empty drafter: the tree is the root alone, so every pass yields one token (vanilla)."""
+
+    max_draft_tokens = 0  # the most guessed nodes a proposal can hold (sizes the KV cache)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.history = list(prompt_ids)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.history.extend(tokens)
+
+    def propose(self) -> Tree:
+        return Tree.chain(self.history[-1], [])
+
+    def end(self) -> None:
+        pass
+
+
+# ---- ANPD: multi-level n-grams -------------------------------------------------------------------
+
+class MultiLevelNGram:
+    """Levels n = 2..N: for every context of 1..N-1 tokens, the next tokens seen after it and how
+    often. A query tries the longest context first (Algorithm 2, as its text describes; the
+    pseudocode's loop would let the shortest level win) and answers the most frequent next token,
+    the most recent one among equally frequent ones."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.counts: dict[tuple, dict[int, int]] = {}  # context -> {next token: times seen}
+        self.best: dict[tuple, int] = {}  # context -> its most frequent next token
+
+    def add(self, tokens: Sequence[int], end: int) -> None:
+        """Record tokens[end] as the continuation of each context of 1..N-1 tokens ending before it."""
+        following = tokens[end]
+        for length in range(1, min(self.n - 1, end) + 1):
+            context = tuple(tokens[end - length:end])
+            counts = self.counts.setdefault(context, {})
+            counts[following] = counts.get(following, 0) + 1
+            if counts[following] >= counts.get(self.best.get(context), 0):
+                self.best[context] = following
+
+    def query(self, tokens: Sequence[int]) -> int | None:
+        """The predicted token after `tokens`, or None when no level has seen its context."""
+        for length in range(min(self.n - 1, len(tokens)), 0, -1):
+            prediction = self.best.get(tuple(tokens[-length:]))
+            if prediction is not None:
+                return prediction
+        return None
+
+
+class NGramDrafter(Drafter):
+    """ANPD: a chain of up to K tokens, each the n-gram prediction after the previous ones."""
+
+    MAX_N, MAX_K = 32, 128
+
+    def __init__(self, n: int = 5, k: int = 7):
+        if not 2 <= n <= self.MAX_N:
+            raise UserError(f"the n-gram order N must be in 2..{self.MAX_N}, got {n}")
+        if not 1 <= k <= self.MAX_K:
+            raise UserError(f"the draft length K must be in 1..{self.MAX_K}, got {k}")
+        self.n, self.k = n, k
+        self.max_draft_tokens = k
+
+    def begin(self, prompt_ids):
+        self.ngrams = MultiLevelNGram(self.n)  # initialised from the prompt (section 3.1)
+        self.history = []
+        self.extend(prompt_ids)
+
+    def extend(self, tokens):
+        for token in tokens:  # runtime update (A.8): every accepted token joins the statistics
+            self.history.append(token)
+            self.ngrams.add(self.history, len(self.history) - 1)
+
+    def propose(self):
+        context = self.history[-(self.n - 1):]
+        draft = []
+        while len(draft) < self.k:
+            guess = self.ngrams.query(context)
+            if guess is None:
+                break  # no level knows this context: a shorter draft beats a blind guess
+            draft.append(guess)
+            context = (context + [guess])[-(self.n - 1):]
+        return Tree.chain(self.history[-1], draft)
+
+
+# ---- Lookahead: a trie of token sequences --------------------------------------------------------
+
+class TrieNode:
+    __slots__ = ("token", "parent", "children", "prompt_count", "output_count")
+
+    def __init__(self, token, parent):
+        self.token, self.parent = token, parent
+        self.children: dict[int, TrieNode] = {}
+        self.prompt_count = 0  # occurrences of this node's token sequence in the current prompt
+        self.output_count = 0  # occurrences in generated output, over all requests so far
+
+
+class Trie:
+    """Every token sequence of up to `depth` tokens seen in the text, with how often it occurred.
+
+    A node stands for the sequence on its root path, so counts shrink (or stay) going down.
+    Prompt occurrences are kept apart so they can be boosted while their request runs and then
+    eliminated (section 4.3.1); output occurrences stay for later requests, up to `capacity` nodes.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = TrieNode(None, None)
+        self.node_count = 0
+        self.prompt_nodes: list[TrieNode] = []  # nodes the current prompt counted in
+
+    def add(self, tokens: Sequence[int], new_from: int, *, first_start: int = 0,
+            from_prompt: bool = False) -> None:
+        """Count the occurrences that end at each of tokens[new_from:], among the sequences that
+        start at or after `first_start` (branch inserting, done token by token)."""
+        for end in range(max(new_from, first_start), len(tokens)):
+            for start in range(max(first_start, end - self.depth + 1), end + 1):
+                node = self.find(tokens[start:end], create=True)
+                node = self._child(node, tokens[end])
+                if from_prompt:
+                    if node.prompt_count == 0:
+                        self.prompt_nodes.append(node)
+                    node.prompt_count += 1
+                else:
+                    node.output_count += 1
+
+    def find(self, sequence: Sequence[int], create: bool = False) -> TrieNode | None:
+        node = self.root
+        for token in sequence:
+            child = node.children.get(token)
+            if child is None:
+                if not create:
+                    return None
+                child = self._child(node, token)
+            node = child
+        return node
+
+    def _child(self, node: TrieNode, token: int) -> TrieNode:
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = TrieNode(token, node)
+            self.node_count += 1
+        return child
+
+    def eliminate_prompt(self) -> None:
+        """Forget the current prompt's occurrences (branch eliminating, at the end of a request)."""
+        for node in self.prompt_nodes:
+            node.prompt_count = 0
+            if node.output_count == 0:  # its whole subtree has no output occurrences either
+                self._remove(node)
+        self.prompt_nodes = []
+        self.node_count = self._descendants(self.root)
+
+    def prune(self, capacity: int) -> None:
+        """Remove the least frequent nodes until at most `capacity` remain (node pruning). Sorting by
+        (count, deeper first) removes children before their parents, so each removal is a leaf."""
+        nodes = []  # (count, -depth, order, node)
+        stack = [(child, 1) for child in self.root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            nodes.append((node.output_count + node.prompt_count, -depth, len(nodes), node))
+            stack.extend((child, depth + 1) for child in node.children.values())
+        excess = len(nodes) - capacity
+        for *_, node in sorted(nodes)[:max(excess, 0)]:
+            self._remove(node)
+        self.node_count = self._descendants(self.root)
+
+    @staticmethod
+    def _remove(node: TrieNode) -> None:
+        node.parent.children.pop(node.token, None)
+
+    def _descendants(self, node: TrieNode) -> int:
+        return sum(1 + self._descendants(child) for child in node.children.values())
+
+
+class TrieDrafter(Drafter):
+    """Lookahead: branches retrieved from a trie that lives as long as the drafter (the process),
+    so earlier requests' output warms it up for later ones."""
+
+    PREFIX_LENGTHS = (4, 3, 2, 1)  # multi-stage retrieval tries the longest context match first
+    PROMPT_BOOST = 10  # prompt occurrences outweigh output ones while their request runs (4.3.2)
+    CAPACITY_PER_DRAFT_TOKEN = 16  # trie nodes kept between requests: 16x the decoding length (Table 6)
+
+    def __init__(self, decoding_length: int = 16, branch_length: int = 8, hierarchical: bool = True):
+        if not 1 <= decoding_length <= 256:
+            raise UserError(f"the decoding length must be in 1..256 draft tokens, got {decoding_length}")
+        if not 1 <= branch_length <= 64:
+            raise UserError(f"the branch length must be in 1..64 tokens, got {branch_length}")
+        self.decoding_length, self.branch_length = decoding_length, branch_length
+        self.hierarchical = hierarchical
+        self.max_draft_tokens = decoding_length
+        self.trie = Trie(depth=max(self.PREFIX_LENGTHS) + branch_length)
+
+    def begin(self, prompt_ids):
+        self.history = list(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+        self.trie.add(self.history, 0, from_prompt=True)
+
+    def extend(self, tokens):
+        new_from = len(self.history)
+        self.history.extend(tokens)
+        self.trie.add(self.history, new_from, first_start=self.prompt_length)
+
+    def end(self):
+        self.trie.eliminate_prompt()
+        self.trie.prune(self.CAPACITY_PER_DRAFT_TOKEN * self.decoding_length)
+
+    def propose(self):
+        return Tree.from_branches(self.history[-1], self.retrieve(), self.decoding_length,
+                                  merge=self.hierarchical)
+
+    def retrieve(self) -> list[list[int]]:
+        """Multi-stage retrieval: the branches after the longest matching context first; while they
+        hold fewer tokens than the decoding length, add those after a shorter context."""
+        branches, seen, tokens = [], set(), 0
+        for length in self.PREFIX_LENGTHS:
+            node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
+            if node is None:
+                continue
+            for branch in self.best_branches(node):
+                if tuple(branch) not in seen:
+                    seen.add(tuple(branch))
+                    branches.append(branch)
+                    tokens += len(branch)
+            if tokens >= self.decoding_length:
+                break
+        return branches
+
+    def best_branches(self, start: TrieNode) -> list[list[int]]:
+        """The `decoding_length` most frequent nodes below `start` (at most `branch_length` deep),
+        picked best-first so they form a connected subtree, returned as its root-to-leaf branches,
+        more frequent children first."""
+        def score(node):
+            return self.PROMPT_BOOST * node.prompt_count + node.output_count
+
+        frontier = [(-score(c), i, c, 1) for i, c in enumerate(start.children.values())]
+        heapq.heapify(frontier)
+        chosen, order = set(), len(frontier)
+        while frontier and len(chosen) < self.decoding_length:
+            _, _, node, depth = heapq.heappop(frontier)
+            chosen.add(node)
+            if depth < self.branch_length:
+                for child in node.children.values():
+                    heapq.heappush(frontier, (-score(child), order, child, depth + 1))
+                    order += 1
+
+        branches = []
+
+        def walk(node, prefix):
+            picked = sorted((c for c in node.children.values() if c in chosen), key=score, reverse=True)
+            if not picked and prefix:
+                branches.append(prefix)
+            for child in picked:
+                walk(child, prefix + [child.token])
+
+        walk(start, [])
+        return branches

@@ -1,0 +1,140 @@
+"""The guess-and-verify loop is lossless: on random tiny float64 models, every drafter, including
+adversarial ones, yields exactly vanilla greedy's tokens, stop reason and length. On the real default
+model in float32, ANPD and Lookahead equal vanilla on a few prompts."""
+
+import random
+
+import pytest
+from hypothesis import given, strategies as st
+
+from conftest import random_model, tiny_hf_config
+from decode import generate
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from tree import Tree
+
+VOCAB = 16  # small, so random models repeat themselves and n-gram guesses get accepted
+MODEL_SEEDS = range(4)
+MODELS = {}
+
+
+def tiny_model(seed):
+    if seed not in MODELS:
+        MODELS[seed] = random_model(tiny_hf_config(vocab=VOCAB, max_position_embeddings=64), seed=seed)
+    return MODELS[seed]
+
+
+class RandomGuesses(Drafter):
+    """Trees of random shape and random tokens: almost every guess is wrong."""
+
+    max_draft_tokens = 12
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def propose(self):
+        size = self.rng.randrange(self.max_draft_tokens + 1)
+        parents = [-1] + [self.rng.randrange(node) for node in range(1, size + 1)]
+        return Tree([self.history[-1]] + [self.rng.randrange(VOCAB) for _ in range(size)], parents)
+
+
+class CorruptedOracle(Drafter):
+    """Knows the true continuation; guesses a random stretch of it with random corruptions, plus
+    random side branches, so every acceptance length (0 to the whole guess) occurs."""
+
+    max_draft_tokens = 14
+
+    def __init__(self, seed, truth):
+        self.rng, self.truth = random.Random(seed), truth
+
+    def begin(self, prompt_ids):
+        super().begin(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+
+    def propose(self):
+        done = len(self.history) - self.prompt_length
+        guess = self.truth[done:done + self.rng.randrange(9)]
+        guess = [self.rng.randrange(VOCAB) if self.rng.random() < 0.15 else t for t in guess]
+        tokens, parents = [self.history[-1], *guess], list(range(-1, len(guess)))
+        while len(tokens) <= self.max_draft_tokens and self.rng.random() < 0.5:
+            parents.append(self.rng.randrange(len(tokens)))
+            tokens.append(self.rng.randrange(VOCAB))
+        return Tree(tokens, parents)
+
+
+def drafters(seed, truth):
+    return {
+        "anpd": NGramDrafter(n=4, k=5),
+        "anpd-bigram": NGramDrafter(n=2, k=3),
+        "lookahead": TrieDrafter(decoding_length=8, branch_length=4),
+        "lookahead-parallel": TrieDrafter(decoding_length=8, branch_length=4, hierarchical=False),
+        "random": RandomGuesses(seed),
+        "oracle": CorruptedOracle(seed, truth),
+    }
+
+
+@given(model_seed=st.sampled_from(MODEL_SEEDS), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       max_new_tokens=st.integers(1, 40), eos_pick=st.integers(-1, 40), seed=st.integers(0, 2**16))
+def test_every_drafter_equals_vanilla_greedy(model_seed, prompt, max_new_tokens, eos_pick, seed):
+    model = tiny_model(model_seed)
+    free_run = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set()).token_ids
+    # an end-of-sequence token vanilla meets at a chosen point (or never, for -1)
+    eos_ids = {free_run[eos_pick]} if 0 <= eos_pick < len(free_run) else set()
+    vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+
+    for name, drafter in drafters(seed, vanilla.token_ids).items():
+        gen = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids, drafter=drafter)
+        assert gen.token_ids == vanilla.token_ids, name
+        assert gen.stop_reason == vanilla.stop_reason, name
+        assert gen.forward_passes <= vanilla.forward_passes, name
+        # each pass adds its accepted guesses and a bonus token (the last pass's may be cut off)
+        assert gen.draft_tokens_accepted == sum(gen.from_draft)
+        assert 0 <= gen.draft_tokens_accepted - (len(gen.token_ids) - gen.forward_passes) <= 1
+
+
+def test_guesses_stop_at_the_context_limit_like_vanilla():
+    model = tiny_model(0)  # 64 positions
+    prompt = [1, 2, 3] * 19  # 57 tokens: 7 positions left
+    vanilla = generate(model, prompt, max_new_tokens=50, eos_ids=set())
+    assert vanilla.stop_reason == "context" and len(vanilla.token_ids) == 7
+    oracle = CorruptedOracle(0, vanilla.token_ids)
+    gen = generate(model, prompt, max_new_tokens=50, eos_ids=set(), drafter=oracle)
+    assert gen.token_ids == vanilla.token_ids and gen.stop_reason == "context"
+
+
+def test_a_perfect_guesser_needs_few_passes():
+    model = tiny_model(1)
+    vanilla = generate(model, [4, 5], max_new_tokens=30, eos_ids=set())
+
+    class Perfect(CorruptedOracle):
+        def propose(self):
+            done = len(self.history) - self.prompt_length
+            return Tree.chain(self.history[-1], self.truth[done:done + 9])
+
+    gen = generate(model, [4, 5], max_new_tokens=30, eos_ids=set(), drafter=Perfect(0, vanilla.token_ids))
+    assert gen.token_ids == vanilla.token_ids
+    assert gen.forward_passes == 1 + 3  # prefill, then 10 tokens (9 guesses + bonus) per pass: 1+10+10+9
+
+
+# ---- the real default model --------------------------------------------------------------------
+
+PROMPTS = [
+    "Summarize: The city council met on Tuesday to discuss the new park. The park will have a lake, "
+    "a playground and a small cafe. The council approved the plan, and building starts in May.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+@pytest.mark.parametrize("method", ["anpd", "lookahead"])
+def test_default_model_methods_equal_vanilla(default_model, default_tokenizer, method):
+    drafter = NGramDrafter() if method == "anpd" else TrieDrafter()
+    total_passes = total_tokens = 0
+    for text in PROMPTS:  # one drafter for all prompts: Lookahead's trie carries over
+        prompt = default_tokenizer.prompt_ids(text, raw=False)
+        kwargs = dict(max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
+        vanilla = generate(default_model, prompt, **kwargs)
+        gen = generate(default_model, prompt, drafter=drafter, **kwargs)
+        assert gen.token_ids == vanilla.token_ids, text
+        total_passes += gen.forward_passes
+        total_tokens += len(gen.token_ids)
+    assert total_passes < total_tokens  # some guesses were accepted
