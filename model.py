@@ -140,30 +140,52 @@ def apply_rotary(x, cos, sin):
 
 
 class Linear(nn.Linear):
-    """y = x W^T, computed on the CPU for a few rows of x as a batched matmul over row blocks of W.
+    """y = x W^T, with CPU kernels picked for decoding's few rows of x (float32 only).
 
-    Decoding multiplies a handful of token vectors by each weight matrix, so it is bound by reading
-    the weights from memory. For 2-16 rows, the CPU GEMM in PyTorch's stock build (MKL, AVX2) costs
-    about twice one row, apparently because it repacks the whole matrix on every call; splitting W
-    into blocks of `BLOCK_ROWS` rows (a free view) and multiplying all blocks by x in one
-    `torch.bmm` keeps each block in cache; on a 2-core AVX2 machine this was faster than F.linear at
-    every T from 1 to 32 (README, "Speed"). Large inputs (prefill), other dtypes and GPUs use the
-    ordinary GEMM.
+    Decoding multiplies a handful of token vectors by each weight matrix, so it should cost about
+    as much as reading the weights once, whatever the handful. PyTorch's stock CPU GEMM (MKL) does
+    not manage that on an AVX2 machine; measured on 2 AMD EPYC cores, 30 layers' matrices
+    (README, "Speed"):
+    - 1-4 rows: W split into blocks of `BLOCK_ROWS` rows (a free view), all multiplied by x in one
+      `torch.bmm`, keeping each block in cache: 17 ms for 1 row, 22 ms for 4 (F.linear: 28 / 52);
+    - 5-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once
+      for it (`mkldnn._reorder_linear_weight`, made on first use): 30 ms for 8 rows, 44 for 16
+      (blocked bmm: 37 / 48; F.linear: 46 / 58). It costs a second copy of the weights in memory.
+    Prefill, other dtypes, GPUs and CPUs without oneDNN use the ordinary F.linear.
     """
 
     BLOCK_ROWS = 64
-    MAX_ROWS = 32
+    MAX_BLOCKED_ROWS = 1
+    MAX_PACKED_ROWS = 64
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        out_features, in_features = self.weight.shape
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_ROWS
-                or out_features % self.BLOCK_ROWS):
+        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_PACKED_ROWS:
             return F.linear(x, self.weight)
+        if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
+            return self.blocked_matmul(x, rows)
+        packed = self.onednn_weight()
+        if packed is None:
+            return F.linear(x, self.weight)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], -1)
+
+    def blocked_matmul(self, x, rows):
+        out_features, in_features = self.weight.shape
         blocks = self.weight.view(-1, self.BLOCK_ROWS, in_features)  # [O/64, 64, I]
         x_columns = x.reshape(rows, in_features).T.expand(len(blocks), in_features, rows)
         y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
         return y.view(out_features, rows).T.reshape(*x.shape[:-1], out_features)
+
+    def onednn_weight(self):
+        """W re-laid out for oneDNN, made once and remade if W changes (None without oneDNN)."""
+        if not torch.backends.mkldnn.is_available():
+            return None
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_onednn_key", None) != key:
+            self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+            self._onednn_key = key
+        return self._onednn_weight
 
 
 class Attention(nn.Module):

@@ -140,10 +140,27 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
     (["--top-p", "1.5"], ["top-p"]),
     (["--temperature", "-1"], ["temperature"]),
     (["--prompt", "   "], ["empty"]),
+    (["--method", "anpd", "--ngram-k", "0"], ["draft length K", "1..128"]),
+    (["--method", "anpd", "--ngram-n", "1"], ["order N", "2..32"]),
+    (["--method", "lookahead", "--decoding-length", "0"], ["decoding length"]),
+    (["--method", "lookahead", "--branch-length", "100"], ["branch length"]),
+    (["--method", "lookahead", "--lookahead-mode", "diagonal"], ["--lookahead-mode"]),
+    (["--method", "anpd", "--temperature", "0.8"], ["speculative sampling"]),
+    (["--method", "anpd", "--prompt", ""], ["empty"]),
 ])
 def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):
     base = ["--model", str(tiny_folder), "--raw"] + ([] if "--prompt" in argv else ["--prompt", "hi"])
     assert_one_line_error(*run_cli(capsys, *base, *argv)[::2], *fragments)
+
+
+def test_show_accepts_marks_the_accepted_guesses(capsys, default_model_dir):
+    argv = ["--max-new-tokens", "40", "--prompt", "Repeat this line twice: the cat sat on the mat."]
+    code, out, err = run_cli(capsys, "--method", "anpd", "--show-accepts", *argv)
+    assert code == 0
+    accepted = int(err.split("guesses accepted ")[1].split("/")[0])
+    assert accepted > 0 and "⟦" in out and out.count("⟦") == out.count("⟧")
+    code, vanilla_out, _ = run_cli(capsys, *argv)
+    assert out.replace("⟦", "").replace("⟧", "") == vanilla_out  # marks added, nothing else changed
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(capsys, tiny_folder):
