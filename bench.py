@@ -106,6 +106,7 @@ def bench_methods(args, tokenizer):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name])
+        model.prepare_tree_kernels()
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
             dtype_name == "float32" and not args.skip_transformers) else None
         drafters = make_drafters(args.methods)

@@ -283,6 +283,8 @@ def load(args):
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
+    if args.method != "vanilla":
+        model.prepare_tree_kernels()
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
