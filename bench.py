@@ -111,7 +111,7 @@ def bench_methods(args, tokenizer):
             dtype_name == "float32" and not args.skip_transformers) else None
         drafters = make_drafters(args.methods)
         methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
-        warm_up(model, drafters, peer, tokenizer, args)
+        warm_up(model, peer, tokenizer)
         for category, texts in prompt_sets.items():
             tallies = {name: Tally() for name in methods}
             for number, text in enumerate(texts, 1):
@@ -128,7 +128,7 @@ def bench_methods(args, tokenizer):
             print_category(dtype_name, category, tallies, args)
 
 
-def warm_up(model, drafters, peer, tokenizer, args):
+def warm_up(model, peer, tokenizer):
     """First calls allocate memory and lay out weights for the tree kernels: keep them out of timing."""
     ids = tokenizer.prompt_ids("Say hello, then say hello again.", raw=False)
     warm = argparse.Namespace(new_tokens=8)

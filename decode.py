@@ -134,9 +134,10 @@ def accept(out: Generation, tokens: list[int], guessed: int, max_new_tokens: int
         out.stop_reason = stop_reason(out.token_ids, max_new_tokens, budget, eos_ids)
         if out.stop_reason:
             break
-    out.draft_tokens_accepted += min(guessed, len(kept))
+    kept_guesses = min(guessed, len(kept))
+    out.draft_tokens_accepted += kept_guesses
     if on_tokens:
-        on_tokens(kept, min(guessed, len(kept)))
+        on_tokens(kept, kept_guesses)
     return kept
 
 
@@ -201,14 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="highlight the tokens that came from accepted guesses (green on a terminal, "
                         "else between ⟦ and ⟧)")
     anpd = p.add_argument_group("anpd (Ou et al. 2024)")
-    anpd.add_argument("--ngram-n", type=int, default=5, metavar="N",
+    anpd.add_argument("--ngram-n", type=int, default=NGramDrafter.DEFAULT_N, metavar="N",
                       help="longest n-gram level; levels 2..N are kept and the longest match wins")
-    anpd.add_argument("--ngram-k", type=int, default=7, metavar="K", help="guessed tokens per step")
+    anpd.add_argument("--ngram-k", type=int, default=NGramDrafter.DEFAULT_K, metavar="K",
+                      help="guessed tokens per step")
     look = p.add_argument_group("lookahead (Zhao et al. 2023)")
-    look.add_argument("--decoding-length", type=int, default=8,
+    look.add_argument("--decoding-length", type=int, default=TrieDrafter.DEFAULT_DECODING_LENGTH,
                       help="guessed tokens per step, over all branches (the paper uses up to 64 on "
                            "GPUs; on a CPU a pass over 16 tokens costs ~1.9x one token, over 8 ~1.55x)")
-    look.add_argument("--branch-length", type=int, default=8, help="the longest guessed branch")
+    look.add_argument("--branch-length", type=int, default=TrieDrafter.DEFAULT_BRANCH_LENGTH,
+                      help="the longest guessed branch")
     look.add_argument("--lookahead-mode", default="hierarchical", choices=["hierarchical", "parallel"],
                       help="merge branches that share a prefix (hierarchical) or lay them side by side")
     return p

@@ -77,9 +77,10 @@ class MultiLevelNGram:
 class NGramDrafter(Drafter):
     """ANPD: a chain of up to K tokens, each the n-gram prediction after the previous ones."""
 
+    DEFAULT_N, DEFAULT_K = 5, 7  # section 4.4
     MAX_N, MAX_K = 32, 128
 
-    def __init__(self, n: int = 5, k: int = 7):
+    def __init__(self, n: int = DEFAULT_N, k: int = DEFAULT_K):
         if not 2 <= n <= self.MAX_N:
             raise UserError(f"the n-gram order N must be in 2..{self.MAX_N}, got {n}")
         if not 1 <= k <= self.MAX_K:
@@ -207,7 +208,12 @@ class TrieDrafter(Drafter):
     PROMPT_BOOST = 10  # prompt occurrences outweigh output ones while their request runs (4.3.2)
     CAPACITY_PER_DRAFT_TOKEN = 16  # trie nodes kept between requests: 16x the decoding length (Table 6)
 
-    def __init__(self, decoding_length: int = 8, branch_length: int = 8, hierarchical: bool = True):
+    # a pass over 8 tokens costs ~1.55x one token on a 2-core CPU, over 16 ~1.9x (README, "Speed");
+    # the paper goes up to 64 on an A100, where such a pass costs about one token
+    DEFAULT_DECODING_LENGTH, DEFAULT_BRANCH_LENGTH = 8, 8
+
+    def __init__(self, decoding_length: int = DEFAULT_DECODING_LENGTH,
+                 branch_length: int = DEFAULT_BRANCH_LENGTH, hierarchical: bool = True):
         if not 1 <= decoding_length <= 256:
             raise UserError(f"the decoding length must be in 1..256 draft tokens, got {decoding_length}")
         if not 1 <= branch_length <= 64:
@@ -218,7 +224,7 @@ class TrieDrafter(Drafter):
         self.trie = Trie(depth=max(self.PREFIX_LENGTHS) + branch_length)
 
     def begin(self, prompt_ids):
-        self.history = list(prompt_ids)
+        super().begin(prompt_ids)
         self.prompt_length = len(prompt_ids)
         self.trie.add(self.history, 0, from_prompt=True)
 

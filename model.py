@@ -144,13 +144,15 @@ class Linear(nn.Linear):
 
     Decoding multiplies a handful of token vectors by each weight matrix, so it should cost about
     as much as reading the weights once, whatever the handful. PyTorch's stock CPU GEMM (MKL) does
-    not manage that on an AVX2 machine; measured on 2 AMD EPYC cores, 30 layers' matrices
-    (README, "Speed"):
-    - 1-4 rows: W split into blocks of `BLOCK_ROWS` rows (a free view), all multiplied by x in one
-      `torch.bmm`, keeping each block in cache: 17 ms for 1 row, 22 ms for 4 (F.linear: 28 / 52);
-    - 5-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once
-      for it (`mkldnn._reorder_linear_weight`, made on first use): 30 ms for 8 rows, 44 for 16
-      (blocked bmm: 37 / 48; F.linear: 46 / 58). It costs a second copy of the weights in memory.
+    not manage that on an AVX2 machine. Measured on 2 AMD EPYC cores (README, "Speed"):
+    - 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all
+      multiplied by x in one `torch.bmm`, keeping each block in cache: 30 layers' matrices in 17 ms
+      (F.linear: 28 ms);
+    - 2-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once
+      for it (`mkldnn._reorder_linear_weight`; made by `Llama.prepare_tree_kernels` or on first
+      use): 30 ms for 8 rows, 44 for 16 (blocked bmm: 37 / 48; F.linear: 46 / 58). In the whole
+      model this beat blocked bmm already at 2-4 rows (a step over 2 tokens: 50 vs 62 ms). It costs
+      a second copy of the weights in memory.
     Prefill, other dtypes, GPUs and CPUs without oneDNN use the ordinary F.linear.
     """
 
