@@ -28,13 +28,23 @@ import torch
 
 
 class Tree:
-    """tokens[i] is node i's token, parents[i] its parent (-1 for the root, otherwise < i)."""
+    """tokens[i] is node i's token, parents[i] its parent (-1 for the root, otherwise < i).
 
-    def __init__(self, tokens: Sequence[int], parents: Sequence[int]):
+    draft_probs (optional, [N, V]): row i is the distribution q that node i's token was *sampled*
+    from (row 0, the root's, is unused). None means every guess was chosen deterministically
+    (n-grams, a trie, top-k, or a draft model decoding greedily); verify.py then treats q as a point
+    mass on the guessed token.
+    """
+
+    def __init__(self, tokens: Sequence[int], parents: Sequence[int],
+                 draft_probs: torch.Tensor | None = None):
         if not tokens or len(tokens) != len(parents) or parents[0] != -1:
             raise ValueError("a tree needs a root (parent -1) and one parent per token")
+        if draft_probs is not None and len(draft_probs) != len(tokens):
+            raise ValueError(f"draft_probs has {len(draft_probs)} rows for {len(tokens)} nodes")
         self.tokens = list(tokens)
         self.parents = list(parents)
+        self.draft_probs = draft_probs
         self.depths = [0]
         self.children = [[] for _ in tokens]
         for node in range(1, len(tokens)):
@@ -47,9 +57,11 @@ class Tree:
     # ---- builders ----
 
     @classmethod
-    def chain(cls, root: int, draft: Sequence[int]) -> "Tree":
-        """root -> draft[0] -> draft[1] -> ..."""
-        return cls([root, *draft], list(range(-1, len(draft))))
+    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> "Tree":
+        """root -> draft[0] -> draft[1] -> ...; draft_probs [len(draft), V]: what each was sampled from."""
+        if draft_probs is not None:
+            draft_probs = torch.cat([draft_probs.new_zeros(1, draft_probs.shape[-1]), draft_probs])  # root's row
+        return cls([root, *draft], list(range(-1, len(draft))), draft_probs)
 
     @classmethod
     def from_branches(cls, root: int, branches: Iterable[Sequence[int]], budget: int,
@@ -141,7 +153,8 @@ class Tree:
         keep = [n for n in range(len(self.tokens)) if self.depths[n] <= max_depth]
         new_index = {old: new for new, old in enumerate(keep)}
         return Tree([self.tokens[n] for n in keep],
-                    [-1] + [new_index[self.parents[n]] for n in keep[1:]])
+                    [-1] + [new_index[self.parents[n]] for n in keep[1:]],
+                    None if self.draft_probs is None else self.draft_probs[keep])
 
     def __repr__(self) -> str:
         return f"Tree(tokens={self.tokens}, parents={self.parents})"

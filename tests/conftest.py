@@ -90,3 +90,29 @@ def default_tokenizer(default_model_dir):
     from tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir)
+
+
+def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness-of-fit p-value of observed `counts` against the probabilities
+    `expected` (outcome -> probability, summing to 1). Outcomes expected fewer than `min_expected`
+    times are pooled into one bin, as the test's chi-square approximation needs; an outcome that
+    was observed but has probability 0 gives p-value 0."""
+    total = sum(counts.values())
+    if any(expected.get(outcome, 0.0) == 0.0 for outcome, n in counts.items() if n):
+        return 0.0
+    bins, pooled_n, pooled_e = [], 0, 0.0
+    for outcome, prob in expected.items():
+        n, e = counts.get(outcome, 0), prob * total
+        if e < min_expected:
+            pooled_n, pooled_e = pooled_n + n, pooled_e + e
+        else:
+            bins.append((n, e))
+    if pooled_e > 0:
+        bins.append((pooled_n, pooled_e))
+    statistic = sum((n - e) ** 2 / e for n, e in bins)
+    dof = len(bins) - 1
+    if dof < 1:
+        return 1.0
+    # the chi-square survival function is the regularised upper incomplete gamma Q(dof/2, x/2)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
