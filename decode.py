@@ -27,18 +27,21 @@ from pathlib import Path
 
 import torch
 
-from drafters import Drafter, NGramDrafter, TrieDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Request, TrieDrafter
 from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, choose_token
-from verify import verify
+from verify import TypicalAcceptance, verify
 
 METHODS = {
     "vanilla": "plain autoregressive decoding, one forward pass per token",
     "anpd": "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
     "lookahead": "trie-based retrieval of several guessed branches from prompts and earlier output",
+    "speculative": "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
+                   "the model's own first --draft-layers layers)",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_DRAFT_LAYERS = 4
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Generation:
     forward_passes: int = 0  # including the prefill pass, which yields the first token
     draft_tokens_proposed: int = 0  # guessed tree nodes sent through the model
     draft_tokens_accepted: int = 0  # of those, tokens that became output
+    draft_rejections: int = 0  # passes that ended at a rejected guess (the others ran out of guesses)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0  # proposing guesses and updating the drafter
     forward_seconds: float = 0.0  # forward passes after the prefill, logits included
@@ -59,9 +63,10 @@ class Generation:
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
              drafter: Drafter | None = None, sampling: Sampling = Sampling(), generator=None,
-             on_tokens=None) -> Generation:
-    """Decode one prompt with `drafter`'s guesses (none: vanilla). `on_tokens(ids, guessed)` is
-    called after every pass with its new tokens, of which the first `guessed` were accepted guesses."""
+             typical: TypicalAcceptance | None = None, on_tokens=None) -> Generation:
+    """Decode one prompt with `drafter`'s guesses (none: vanilla), greedily or by sampling (exactly,
+    or with the lossy `typical` acceptance). `on_tokens(ids, guessed)` is called after every pass
+    with its new tokens, of which the first `guessed` were accepted guesses."""
     context = model.config.max_positions
     if not prompt_ids:
         raise UserError("the prompt is empty")
@@ -78,7 +83,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     new_tokens = accept(out, [choose_token(logits, sampling, generator)], 0, max_new_tokens, budget,
                         eos_ids, on_tokens)
     clock = now(model)
-    drafter.begin(prompt_ids)
+    drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + budget))
     try:
         while True:
             drafter.extend(new_tokens)
@@ -90,12 +95,13 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
 
             clock = now(model)
             tree_start = cache.length
-            verdict = verify(tree, score_tree(model, cache, tree), sampling, generator)
+            verdict = verify(tree, score_tree(model, cache, tree), sampling, generator, typical)
             cache.keep(tree_start, verdict.path)  # the rejected guesses' K/V are dropped
             out.forward_passes += 1
             out.forward_seconds += now(model) - clock
 
             out.draft_tokens_proposed += tree.draft_size
+            out.draft_rejections += bool(tree.children[verdict.path[-1]])
             new_tokens = accept(out, verdict.tokens, verdict.accepted_guesses, max_new_tokens,
                                 budget, eos_ids, on_tokens)
             clock = now(model)
@@ -194,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample only from the smallest set of tokens whose probability reaches p (1: off)")
+    p.add_argument("--acceptance", default="exact", choices=["exact", "typical"],
+                   help="how guesses are verified when sampling: 'exact' speculative sampling keeps the "
+                        "model's output distribution exactly; 'typical' (Medusa's typical acceptance) "
+                        "accepts more guesses but is LOSSY: its output no longer follows the model's "
+                        "distribution. Greedy decoding (--temperature 0) always verifies exactly")
+    p.add_argument("--typical-epsilon", type=float, default=TypicalAcceptance.epsilon, metavar="EPS",
+                   help="typical acceptance: a guess whose probability exceeds EPS always passes")
+    p.add_argument("--typical-delta", type=float, default=TypicalAcceptance.delta, metavar="DELTA",
+                   help="typical acceptance: ... or exceeds DELTA * exp(-entropy of the distribution)")
     p.add_argument("--seed", type=int, help="random seed for sampling (default: a fresh one, reported in --json)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (text, token ids and statistics) instead of "
@@ -214,11 +229,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the longest guessed branch")
     look.add_argument("--lookahead-mode", default="hierarchical", choices=["hierarchical", "parallel"],
                       help="merge branches that share a prefix (hierarchical) or lay them side by side")
+    spec = p.add_argument_group("speculative (Leviathan et al. 2023; Chen et al. 2023)")
+    spec.add_argument("--draft-model", type=Path, metavar="DIR",
+                      help="a smaller Hugging Face Llama checkpoint with the same tokenizer, as the draft")
+    spec.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, metavar="N",
+                      help="without --draft-model, the draft is the model itself cut after its first N "
+                           "layers (then its final norm and LM head): self-speculative, no extra weights")
+    spec.add_argument("--gamma", type=int, default=DraftModelDrafter.DEFAULT_GAMMA,
+                      help="tokens the draft guesses per step")
     return p
 
 
-def make_drafter(args) -> Drafter:
+# options that only mean something for one method: giving them to another is a mistake to report
+METHOD_OPTIONS = {
+    "anpd": ["ngram_n", "ngram_k"],
+    "lookahead": ["decoding_length", "branch_length", "lookahead_mode"],
+    "speculative": ["draft_model", "draft_layers", "gamma"],
+}
+
+
+def make_drafter(args, model, tokenizer) -> Drafter:
     """One drafter for the whole process: Lookahead's trie keeps learning across prompts."""
+    if args.method == "speculative":
+        return DraftModelDrafter(load_draft(args, model, tokenizer), args.gamma)
     if args.method == "anpd":
         return NGramDrafter(n=args.ngram_n, k=args.ngram_k)
     if args.method == "lookahead":
@@ -227,14 +260,27 @@ def make_drafter(args) -> Drafter:
     return Drafter()
 
 
-def check_args(args) -> None:
+def check_args(args, parser) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.seed is not None and args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    if args.method != "vanilla" and args.temperature > 0:
-        raise UserError(f"--method {args.method} verifies greedily for now; sampling (--temperature > 0) "
-                        "needs speculative sampling, which is not implemented yet")
+    for method, names in METHOD_OPTIONS.items():
+        for name in names:
+            if method != args.method and getattr(args, name) != parser.get_default(name):
+                raise UserError(f"--{name.replace('_', '-')} applies to --method {method} only")
+    if args.acceptance == "typical":
+        if args.method == "vanilla":
+            raise UserError("--acceptance typical needs a method that guesses (vanilla guesses nothing)")
+        if args.temperature == 0:
+            raise UserError("--acceptance typical applies to sampling (--temperature > 0); greedy "
+                            "decoding always accepts exactly the model's own choices")
+
+
+def typical_acceptance(args) -> TypicalAcceptance | None:
+    if args.acceptance != "typical":
+        return None
+    return TypicalAcceptance(args.typical_epsilon, args.typical_delta)
 
 
 def parse_device(name: str) -> torch.device:
@@ -297,6 +343,25 @@ def load(args):
     return model, tokenizer
 
 
+def load_draft(args, model, tokenizer):
+    """The draft for --method speculative: --draft-model's checkpoint (checked to share the
+    tokenizer), or the model's own first --draft-layers layers."""
+    from model import load_checkpoint
+    from tokenizer import Tokenizer
+
+    if args.draft_model is None:
+        return model.first_layers(args.draft_layers)
+    draft = load_checkpoint(args.draft_model, model.dtype, model.device)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
+                        f"model's {model.config.vocab_size}: a draft must share the model's tokenizer")
+    if Tokenizer(args.draft_model).vocabulary() != tokenizer.vocabulary():
+        raise UserError(f"the draft model in {args.draft_model} uses another tokenizer than the model: "
+                        "its token ids would mean other text")
+    draft.prepare_tree_kernels()
+    return draft
+
+
 def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
     new = len(gen.token_ids)
     return {
@@ -308,6 +373,7 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "tokens_per_pass": round(new / gen.forward_passes, 4),
         "draft_tokens_proposed": gen.draft_tokens_proposed,
         "draft_tokens_accepted": gen.draft_tokens_accepted,
+        "draft_rejections": gen.draft_rejections,
         "prefill_seconds": round(gen.prefill_seconds, 4),
         "draft_seconds": round(gen.draft_seconds, 4),
         "forward_seconds": round(gen.forward_seconds, 4),
@@ -315,6 +381,7 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "tokens_per_second": round(new / gen.decode_seconds, 3),
         "kv_cache_bytes": gen.kv_cache_bytes,
         "temperature": args.temperature,
+        "acceptance": args.acceptance,
         "seed": seed,
     }
 
@@ -355,7 +422,8 @@ def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling)
     generator = torch.Generator(model.device).manual_seed(seed)
     printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts)
     gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                   drafter=drafter, sampling=sampling, generator=generator, on_tokens=printer)
+                   drafter=drafter, sampling=sampling, generator=generator,
+                   typical=typical_acceptance(args), on_tokens=printer)
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
     if args.json:
         stats |= {"text": tokenizer.decode(gen.token_ids), "token_ids": gen.token_ids}
@@ -384,16 +452,18 @@ def interactive(args, model, tokenizer, drafter, sampling):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        check_args(args)
+        check_args(args, parser)
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        typical_acceptance(args)  # check its parameters before the model loads
         is_interactive = args.prompt is None and args.prompt_file is None and sys.stdin.isatty()
         prompts = [] if is_interactive else read_prompts(args)
         if any(not p.strip() for p in prompts):
             raise UserError("the prompt is empty")
-        drafter = make_drafter(args)
         model, tokenizer = load(args)
+        drafter = make_drafter(args, model, tokenizer)
         with torch.inference_mode():
             if is_interactive:
                 interactive(args, model, tokenizer, drafter, sampling)

@@ -1,7 +1,7 @@
 """Drafters: where the guesses come from. Each one proposes a candidate tree rooted at the last
 chosen token; decode.py verifies it and tells the drafter which tokens were accepted.
 
-    drafter.begin(prompt_ids)   # a new request
+    drafter.begin(request)      # a new request: its prompt, sampling settings and random generator
     drafter.propose() -> Tree   # guesses after history[-1] (the root)
     drafter.extend(new_tokens)  # the tokens the verifier accepted (guesses + the bonus token)
     drafter.end()               # the request is over
@@ -11,6 +11,8 @@ chosen token; decode.py verifies it and tells the drafter which tokens were acce
   N-gram Parallel Decoding"): a multi-level n-gram table (section 3.2, Algorithm 2) built from the
   prompt and updated with every accepted token (section 3.1; A.8 "Runtime Update"), drafting a chain
   of K tokens (Algorithm 1, lines 11-16). Defaults N=5, K=7 (section 4.4).
+- `DraftModelDrafter`: speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
+  Algorithm 2): a small draft model with its own KV cache samples a chain of gamma tokens.
 - `TrieDrafter`: Lookahead (Zhao et al. 2023, "Lookahead: An Inference Acceleration Framework for
   Large Language Model with Lossless Generation Accuracy"): a trie of token sequences from the prompt
   and from generated output (section 4.3.1), queried with multi-stage retrieval (section 4.3.2) for a
@@ -19,9 +21,23 @@ chosen token; decode.py verifies it and tells the drafter which tokens were acce
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from errors import UserError
+from kv_cache import KVCache
+from sampling import Sampling, target_probs
 from tree import Tree
+
+
+@dataclass
+class Request:
+    """What a drafter is told when a generation starts."""
+    prompt_ids: Sequence[int]
+    sampling: Sampling = Sampling()  # how the target chooses tokens (a draft model samples alike)
+    generator: torch.Generator | None = None  # the generation's random numbers
+    max_length: int | None = None  # prompt + the most new tokens (None: the model's context)
 
 
 class Drafter:
@@ -29,8 +45,8 @@ class Drafter:
 
     max_draft_tokens = 0  # the most guessed nodes a proposal can hold (sizes the KV cache)
 
-    def begin(self, prompt_ids: Sequence[int]) -> None:
-        self.history = list(prompt_ids)
+    def begin(self, request: Request) -> None:
+        self.history = list(request.prompt_ids)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.history.extend(tokens)
@@ -88,10 +104,10 @@ class NGramDrafter(Drafter):
         self.n, self.k = n, k
         self.max_draft_tokens = k
 
-    def begin(self, prompt_ids):
+    def begin(self, request):
         self.ngrams = MultiLevelNGram(self.n)  # initialised from the prompt (section 3.1)
         self.history = []
-        self.extend(prompt_ids)
+        self.extend(request.prompt_ids)
 
     def extend(self, tokens):
         for token in tokens:  # runtime update (A.8): every accepted token joins the statistics
@@ -108,6 +124,74 @@ class NGramDrafter(Drafter):
             draft.append(guess)
             context = (context + [guess])[-(self.n - 1):]
         return Tree.chain(self.history[-1], draft)
+
+
+# ---- speculative decoding with a draft model --------------------------------------------------
+
+class DraftModelDrafter(Drafter):
+    """A chain of `gamma` tokens decoded by a smaller model with the same vocabulary: sampled from
+    its own distribution q (shaped by the same temperature / top-k / top-p as the target's p, and
+    handed to the verifier with the tree), or its argmax when decoding greedily.
+
+    The draft keeps its own KV cache. After verification it keeps the K/V of the longest prefix of
+    its guesses that was accepted and reads the rest (the bonus token, or the last guess it never
+    read) at the start of the next proposal: rollback is just moving the cache's length back.
+    """
+
+    DEFAULT_GAMMA = 4  # Chen et al. 2023 draft K = 4 tokens per step (Leviathan et al. try 3-10)
+    MAX_GAMMA = 64
+
+    def __init__(self, model, gamma: int = DEFAULT_GAMMA):
+        if not 1 <= gamma <= self.MAX_GAMMA:
+            raise UserError(f"gamma (draft tokens per step) must be in 1..{self.MAX_GAMMA}, got {gamma}")
+        self.model, self.gamma = model, gamma
+        self.max_draft_tokens = gamma
+
+    def begin(self, request):
+        super().begin(request)
+        self.sampling, self.generator = request.sampling, request.generator
+        length = request.max_length or self.model.config.max_positions
+        self.cache = KVCache.for_model(self.model, capacity=length + self.gamma)
+        self.read_guesses = []  # guesses the draft read while drafting: their K/V follow history
+
+    def extend(self, tokens):
+        # the cache holds history, then read_guesses; keep what the accepted tokens agree with, but
+        # never the last token: the next proposal needs the logits after it, so it reads it again
+        agreed = 0
+        while agreed < min(len(tokens) - 1, len(self.read_guesses)) and tokens[agreed] == self.read_guesses[agreed]:
+            agreed += 1
+        # (before the first proposal the cache is still empty: min keeps it so)
+        self.cache.truncate(min(self.cache.length, len(self.history) + agreed))
+        self.read_guesses = []
+        super().extend(tokens)
+
+    def propose(self):
+        unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
+        guesses, guess_probs = [], []
+        for _ in range(self.gamma):
+            logits = self.read(unread)
+            token, q = self.choose(logits)
+            guesses.append(token)
+            guess_probs.append(q)
+            unread = [token]
+        self.read_guesses = guesses[:-1]  # the last guess is never read: it has no successor
+        draft_probs = None if self.sampling.greedy else torch.stack(guess_probs)  # [gamma, V]
+        return Tree.chain(self.history[-1], guesses, draft_probs)
+
+    def read(self, tokens: list[int]) -> torch.Tensor:
+        """Run the draft over tokens that follow its cache; the logits [V] after the last one."""
+        device = self.model.device
+        positions = torch.arange(self.cache.length, self.cache.length + len(tokens), device=device)
+        hidden = self.model.hidden_states(torch.tensor([tokens], device=device), positions=positions,
+                                          cache=self.cache)
+        return self.model.logits(hidden[0, -1])
+
+    def choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The draft's token and the distribution q it was drawn from (None when greedy)."""
+        if self.sampling.greedy:
+            return int(logits.argmax()), None
+        q = target_probs(logits, self.sampling)
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------
@@ -223,9 +307,9 @@ class TrieDrafter(Drafter):
         self.max_draft_tokens = decoding_length
         self.trie = Trie(depth=max(self.PREFIX_LENGTHS) + branch_length)
 
-    def begin(self, prompt_ids):
-        super().begin(prompt_ids)
-        self.prompt_length = len(prompt_ids)
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(self.history)
         self.trie.add(self.history, 0, from_prompt=True)
 
     def extend(self, tokens):

@@ -17,6 +17,7 @@ K key/value heads, G = H / K query heads per K/V head, E head_dim, V vocabulary.
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,6 +300,21 @@ class Llama(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, index, cache, mask)
         return self.norm(x)
+
+    def first_layers(self, count: int) -> "Llama":
+        """A draft model for self-speculative decoding: this model's embedding, its first `count`
+        layers, then its final norm and LM head (the same tensors, nothing copied). An early exit
+        in the spirit of Draft & Verify (Zhang et al. 2024) and LayerSkip (Elhoushi et al. 2024),
+        without their training: the shallow hidden state is read by a head trained on the last."""
+        if not 1 <= count < self.config.num_layers:
+            raise UserError(f"a draft needs between 1 and {self.config.num_layers - 1} of the model's "
+                            f"{self.config.num_layers} layers, got {count}")
+        with torch.device("meta"):
+            draft = Llama(dataclasses.replace(self.config, num_layers=count))
+        draft.embed, draft.norm, draft.lm_head = self.embed, self.norm, self.lm_head
+        draft.layers = nn.ModuleList(self.layers[:count])
+        draft.inv_freq = self.inv_freq
+        return draft.eval()
 
     def prepare_tree_kernels(self) -> None:
         """Lay out the weights for multi-row CPU matmuls now rather than on the first tree pass

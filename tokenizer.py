@@ -37,6 +37,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special)
 
+    def vocabulary(self) -> list[str]:
+        """Every token's string, by id: two tokenizers with equal vocabularies map text alike."""
+        return [self.backend.id_to_token(i) for i in range(self.vocab_size)]
+
     def special_token(self, name: str) -> str | None:
         """The string of a special token named in tokenizer_config.json ("bos_token", ...)."""
         value = self.config.get(name)
@@ -118,6 +122,9 @@ class HFTokenizersBackend:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
 
 class SentencePieceBackend:
     default_add_bos = True  # Llama's SentencePiece tokenizers add <s> unless told otherwise
@@ -162,6 +169,9 @@ class SentencePieceBackend:
             else:
                 run.append(i)
         return "".join(parts + [self.sp.DecodeIds(run)])
+
+    def id_to_token(self, i: int) -> str:
+        return self.sp.IdToPiece(i)
 
     def token_to_id(self, token: str) -> int | None:
         i = self.sp.PieceToId(token)

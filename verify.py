@@ -106,8 +106,8 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
 
 
 def verify_typical(tree: Tree, probs: torch.Tensor, typical: TypicalAcceptance, chance: Chance) -> Verdict:
-    parents = torch.tensor(tree.parents[1:], device=probs.device)
-    tokens = torch.tensor(tree.tokens[1:], device=probs.device)
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
+    tokens = torch.tensor(tree.tokens[1:], dtype=torch.long, device=probs.device)
     # passes[node]: p at its parent gives node's token more than the parent's threshold
     passes = [True] + (probs[parents, tokens] > typical.thresholds(probs)[parents]).tolist()
     path = longest_path(tree, lambda node: passes[node])

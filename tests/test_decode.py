@@ -145,12 +145,54 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
     (["--method", "lookahead", "--decoding-length", "0"], ["decoding length"]),
     (["--method", "lookahead", "--branch-length", "100"], ["branch length"]),
     (["--method", "lookahead", "--lookahead-mode", "diagonal"], ["--lookahead-mode"]),
-    (["--method", "anpd", "--temperature", "0.8"], ["speculative sampling"]),
+    (["--top-p", "0"], ["top-p"]),
+    (["--method", "speculative", "--draft-layers", "1", "--gamma", "0"], ["gamma", "1..64"]),
+    (["--method", "speculative", "--draft-layers", "2"], ["between 1 and 1"]),  # the model has 2
+    (["--method", "speculative", "--draft-layers", "0"], ["between 1 and 1"]),
+    (["--method", "anpd", "--draft-layers", "1"], ["--draft-layers", "--method speculative"]),
+    (["--method", "speculative", "--ngram-k", "3"], ["--ngram-k", "--method anpd"]),
+    (["--method", "anpd", "--acceptance", "typical"], ["--temperature"]),
+    (["--acceptance", "typical", "--temperature", "1"], ["vanilla"]),
+    (["--method", "anpd", "--temperature", "1", "--acceptance", "typical", "--typical-epsilon", "0"],
+     ["epsilon"]),
+    (["--method", "speculative", "--draft-model", "/nonexistent/draft"], ["does not exist"]),
     (["--method", "anpd", "--prompt", ""], ["empty"]),
 ])
 def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):
     base = ["--model", str(tiny_folder), "--raw"] + ([] if "--prompt" in argv else ["--prompt", "hi"])
     assert_one_line_error(*run_cli(capsys, *base, *argv)[::2], *fragments)
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(capsys, tiny_folder, tmp_path):
+    base = ["--model", str(tiny_folder), "--raw", "--prompt", "hi", "--method", "speculative"]
+    config = json.loads((tiny_folder / "config.json").read_text())
+    bigger = write_checkpoint(tmp_path / "bigger", {**config, "vocab_size": config["vocab_size"] + 8})
+    (bigger / "tokenizer.json").write_bytes((tiny_folder / "tokenizer.json").read_bytes())
+    assert_one_line_error(*run_cli(capsys, *base, "--draft-model", str(bigger))[::2], "vocabulary")
+
+    other = write_checkpoint(tmp_path / "other", config, seed=5)
+    tokenizer = json.loads((tiny_folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, but two ids mean other text
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert_one_line_error(*run_cli(capsys, *base, "--draft-model", str(other))[::2], "another tokenizer")
+
+    (other / "tokenizer.json").write_bytes((tiny_folder / "tokenizer.json").read_bytes())
+    code, _, err = run_cli(capsys, *base, "--draft-model", str(other), "--max-new-tokens", "5")
+    assert code == 0, err
+
+
+def test_sampling_runs_for_every_method(capsys, tiny_folder):
+    for method, options in [("anpd", []), ("lookahead", []), ("speculative", ["--draft-layers", "1"])]:
+        for acceptance in ["exact", "typical"]:
+            code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "the dog",
+                                     "--method", method, *options, "--temperature", "0.7", "--top-p", "0.9",
+                                     "--acceptance", acceptance, "--max-new-tokens", "12", "--json",
+                                     "--seed", "3")
+            assert code == 0, err
+            record = json.loads(out)
+            assert record["acceptance"] == acceptance and record["new_tokens"] > 0
 
 
 def test_show_accepts_marks_the_accepted_guesses(capsys, default_model_dir):

@@ -4,7 +4,7 @@ Lookahead trie's counts and invariants under random insert / eliminate / prune s
 import pytest
 from hypothesis import given, strategies as st
 
-from drafters import MultiLevelNGram, NGramDrafter, Trie, TrieDrafter
+from drafters import MultiLevelNGram, NGramDrafter, Request, Trie, TrieDrafter
 from errors import UserError
 
 tokens = st.lists(st.integers(0, 5), max_size=60)
@@ -34,7 +34,7 @@ def test_ngram_queries_match_a_naive_scan(seen, queries, n):
 
 def test_anpd_drafts_a_chain_from_the_longest_match():
     drafter = NGramDrafter(n=3, k=4)
-    drafter.begin([1, 2, 3, 4, 1, 2, 5, 9])
+    drafter.begin(Request([1, 2, 3, 4, 1, 2, 5, 9]))
     drafter.extend([1, 2])
     # after (1, 2) the table has seen 3 and 5 once each: the latest, 5, wins; then 9, then (9,)->1
     assert drafter.propose().tokens == [2, 5, 9, 1, 2]
@@ -140,7 +140,7 @@ def test_trie_invariants_with_pruning(request_list, depth, capacity):
 
 def test_lookahead_retrieves_the_continuation_seen_in_the_prompt():
     drafter = TrieDrafter(decoding_length=6, branch_length=4)
-    drafter.begin([5, 6, 7, 8, 9, 5, 6, 3])
+    drafter.begin(Request([5, 6, 7, 8, 9, 5, 6, 3]))
     drafter.extend([5, 6])
     branches = drafter.retrieve()
     # after (5, 6) the prompt continued with 7, 8, 9, 5 and with 3: both branches, longest match first

@@ -46,9 +46,9 @@ class CorruptedOracle(Drafter):
     def __init__(self, seed, truth):
         self.rng, self.truth = random.Random(seed), truth
 
-    def begin(self, prompt_ids):
-        super().begin(prompt_ids)
-        self.prompt_length = len(prompt_ids)
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(request.prompt_ids)
 
     def propose(self):
         done = len(self.history) - self.prompt_length

@@ -1,0 +1,159 @@
+"""End to end: sampling with guesses leaves the model's output distribution exactly as it is.
+
+On a tiny float64 model with 8 tokens, the joint distribution of the first generated tokens is
+computed exactly (by running the model on every prefix); each method then generates them many
+times with fixed seeds, and a chi-square test compares the counts with it. A correct method passes
+at a threshold of 1e-3; the same test fails a deliberately wrong rule (the classic mistake of
+drawing from p itself after a rejection), so it has the power to catch a biased verifier. Greedy
+speculative decoding must equal vanilla greedy token for token (tiny models and the real one).
+"""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import verify as verify_module
+from conftest import chi_square_p_value, random_hf_weights, random_model, tiny_hf_config
+from decode import generate
+from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from model import LlamaConfig, build_model
+from sampling import Sampling, target_probs
+
+VOCAB = 8
+LENGTH = 3  # generated tokens whose joint distribution is compared
+RUNS = 1000
+ALPHA = 1e-3
+# top-k and top-p cut tokens to probability 0: a method that shaped p differently from vanilla
+# would emit sequences the exact distribution gives probability 0, failing the test outright
+SAMPLING = Sampling(temperature=0.8, top_k=6, top_p=0.95)
+CONFIG = tiny_hf_config(vocab=VOCAB, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    """The model's own greedy text, so n-gram and trie guesses agree with it often."""
+    return generate(model, [0], max_new_tokens=15, eos_ids=set()).token_ids
+
+
+@pytest.fixture(scope="module")
+def other_draft():
+    """Another checkpoint with the same vocabulary: the model's weights, perturbed by noise."""
+    weights = random_hf_weights(CONFIG, seed=0)
+    noise = torch.Generator().manual_seed(1)
+    weights = {name: w + 0.2 * w.std() * torch.randn(w.shape, generator=noise, dtype=w.dtype)
+               for name, w in weights.items()}
+    return build_model(LlamaConfig.from_hf(CONFIG), weights, torch.float64)
+
+
+def exact_joint(model, prompt, sampling, length) -> dict:
+    """{first `length` generated tokens: probability}, from the model's p on every prefix."""
+    def p_after(tokens):
+        logits, _ = model(torch.tensor([tokens]), positions=torch.arange(len(tokens)))
+        return target_probs(logits[0, -1], sampling)
+
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        prob = 1.0
+        for i in range(length):
+            prob *= float(p_after(prompt + list(seq[:i]))[seq[i]])
+            if prob == 0:
+                break
+        joint[seq] = prob
+    return joint
+
+
+def sampled_counts(model, prompt, drafter, runs=RUNS):
+    counts, accepted = Counter(), 0
+    for seed in range(runs):
+        gen = generate(model, prompt, max_new_tokens=LENGTH, eos_ids=set(), drafter=drafter,
+                       sampling=SAMPLING, generator=torch.Generator().manual_seed(seed))
+        counts[tuple(gen.token_ids)] += 1
+        accepted += gen.draft_tokens_accepted
+    return counts, accepted
+
+
+def drafters(model, other_draft):
+    return {
+        "anpd": lambda: NGramDrafter(n=3, k=3),
+        "lookahead": lambda: TrieDrafter(decoding_length=6, branch_length=3),
+        "speculative-self": lambda: DraftModelDrafter(model.first_layers(1), gamma=3),
+        "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
+    }
+
+
+@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other"])
+def test_sampled_tokens_follow_the_model(model, prompt, other_draft, method):
+    counts, accepted = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
+    assert accepted > RUNS // 8  # guesses were accepted often, so the verifier was really tested
+    assert chi_square_p_value(counts, exact_joint(model, prompt, SAMPLING, LENGTH)) > ALPHA
+
+
+def test_vanilla_sampling_passes_the_same_test(model, prompt):
+    """The reference itself: plain sampling through the same loop (a sanity check of the test)."""
+    counts, _ = sampled_counts(model, prompt, None)
+    assert chi_square_p_value(counts, exact_joint(model, prompt, SAMPLING, LENGTH)) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["anpd", "speculative-other"])
+def test_a_deliberately_wrong_rule_is_caught(model, prompt, other_draft, method, monkeypatch):
+    """After a rejection, draw from p instead of the residual: guessed tokens come out too often."""
+    monkeypatch.setattr(verify_module, "residual_after_rejection", lambda p, q: p)
+    counts, _ = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
+    assert chi_square_p_value(counts, exact_joint(model, prompt, SAMPLING, LENGTH)) < ALPHA
+
+
+# ---- greedy speculative decoding equals vanilla greedy ---------------------------------------------
+
+SMALL = {}
+
+
+def small_model(seed, layers):
+    key = (seed, layers)
+    if key not in SMALL:
+        SMALL[key] = random_model(tiny_hf_config(vocab=16, layers=layers, max_position_embeddings=64),
+                                  seed=seed)
+    return SMALL[key]
+
+
+@given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, 15), min_size=1, max_size=12),
+       max_new_tokens=st.integers(1, 40), eos_pick=st.integers(-1, 40), gamma=st.integers(1, 6),
+       draft_layers=st.integers(1, 2), separate_draft=st.booleans())
+def test_greedy_speculative_equals_vanilla(seed, prompt, max_new_tokens, eos_pick, gamma, draft_layers,
+                                           separate_draft):
+    model = small_model(seed, layers=3)
+    draft = small_model(seed + 10, draft_layers) if separate_draft else model.first_layers(draft_layers)
+    free_run = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set()).token_ids
+    eos_ids = {free_run[eos_pick]} if 0 <= eos_pick < len(free_run) else set()
+    vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    gen = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                   drafter=DraftModelDrafter(draft, gamma))
+    assert gen.token_ids == vanilla.token_ids
+    assert gen.stop_reason == vanilla.stop_reason
+
+
+def test_a_draft_equal_to_the_model_is_always_accepted():
+    """A draft identical to the target: every guess is right, greedy and sampled alike."""
+    model = small_model(0, layers=2)
+    for sampling in [Sampling(), Sampling(temperature=0.9)]:
+        gen = generate(model, [1, 2, 3], max_new_tokens=31, eos_ids=set(), sampling=sampling,
+                       drafter=DraftModelDrafter(model, gamma=4), generator=torch.Generator().manual_seed(0))
+        assert gen.forward_passes == 1 + 6  # prefill, then 5 tokens (4 guesses + bonus) per pass
+        assert gen.draft_rejections == 0
+
+
+def test_default_model_greedy_speculative_equals_vanilla(default_model, default_tokenizer):
+    prompt = default_tokenizer.prompt_ids("Name three colours of the rainbow.", raw=False)
+    kwargs = dict(max_new_tokens=40, eos_ids=default_tokenizer.eos_ids)
+    vanilla = generate(default_model, prompt, **kwargs)
+    for layers, gamma in [(4, 4), (12, 2)]:
+        gen = generate(default_model, prompt, drafter=DraftModelDrafter(default_model.first_layers(layers), gamma),
+                       **kwargs)
+        assert gen.token_ids == vanilla.token_ids
