@@ -4,6 +4,8 @@
     python bench.py                     # methods x categories, float32, about five minutes
     python bench.py --dtypes float32 bfloat16   # and how often bfloat16 output still equals vanilla's
     python bench.py --full              # every prompt of every set (hours on a CPU)
+    python bench.py --temperature 0.7 --methods anpd lookahead speculative  # sampling rows
+    python bench.py speculative         # the draft-model method per gamma, next to Leviathan's formula
     python bench.py latency             # vanilla tokens/s and L(T), ours next to transformers'
 
 `methods` (the default) prints one table per category and dtype: for each method, tau (new tokens
@@ -13,7 +15,16 @@ method back to back, so machine noise hits all alike), and on how many prompts t
 vanilla's token for token. The peer is Hugging Face transformers' prompt lookup decoding
 (`generate(prompt_lookup_num_tokens=10)`) on the same checkpoint, prompts and stop tokens. One
 Lookahead drafter serves the whole run, so its trie warms up from prompt to prompt as it would in a
-server (and in `decode.py --prompt-file`).
+server (and in `decode.py --prompt-file`). With --temperature > 0 every method samples (exactly, so
+outputs differ from vanilla's only by chance), each prompt with the same seed for every method.
+
+`speculative` runs the draft-model method on the same prompts for each --gammas value and prints
+the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
+et al.), the tokens per verification pass next to the expected (1 - alpha^(gamma+1)) / (1 - alpha),
+and the measured speedup next to Leviathan et al.'s expected walltime improvement
+(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (their section 3.3), with c the measured cost of
+a draft step over a target step. That formula assumes verifying gamma + 1 tokens costs one target
+step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured ratio in its place.
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -31,11 +42,12 @@ import torch
 
 import bench_data
 from convert import default_model_dir
-from decode import DTYPES, generate
-from drafters import Drafter, NGramDrafter, TrieDrafter
+from decode import DEFAULT_DRAFT_LAYERS, DTYPES, generate
+from drafters import DraftModelDrafter, Drafter, NGramDrafter, TrieDrafter
 from errors import UserError
 from kv_cache import KVCache
 from model import load_checkpoint
+from sampling import Sampling
 from tokenizer import Tokenizer
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
@@ -66,15 +78,23 @@ class Tally:
         self.prompts += 1
 
 
-def make_drafters(names) -> dict:
+def make_drafters(names, model, draft_layers) -> dict:
     """One drafter per method for the whole run (Lookahead's trie carries over between prompts)."""
     makers = {"anpd": NGramDrafter, "lookahead": TrieDrafter,
-              "lookahead-parallel": lambda: TrieDrafter(hierarchical=False)}
+              "lookahead-parallel": lambda: TrieDrafter(hierarchical=False),
+              "speculative": lambda: DraftModelDrafter(model.first_layers(draft_layers))}
     return {name: makers[name]() for name in names}
 
 
-def run_ours(model, prompt_ids, drafter, args, eos_ids):
-    gen = generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=eos_ids, drafter=drafter)
+def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
+    """One prompt with `drafter`, sampling at --temperature with a fixed seed (greedy at 0)."""
+    return generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=eos_ids, drafter=drafter,
+                    sampling=Sampling(temperature=args.temperature),
+                    generator=torch.Generator(model.device).manual_seed(seed))
+
+
+def run_ours(model, prompt_ids, drafter, args, eos_ids, seed=0):
+    gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
     return gen.token_ids, gen.forward_passes, gen.decode_seconds
 
 
@@ -108,18 +128,19 @@ def bench_methods(args, tokenizer):
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name])
         model.prepare_tree_kernels()
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
-            dtype_name == "float32" and not args.skip_transformers) else None
-        drafters = make_drafters(args.methods)
+            dtype_name == "float32" and not args.skip_transformers and args.temperature == 0) else None
+        drafters = make_drafters(args.methods, model, args.draft_layers)
         methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
         warm_up(model, peer, tokenizer)
         for category, texts in prompt_sets.items():
             tallies = {name: Tally() for name in methods}
             for number, text in enumerate(texts, 1):
                 prompt_ids = tokenizer.prompt_ids(text, raw=False)
-                vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids)
+                vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, seed=number)
                 tallies["vanilla"].add(*vanilla, vanilla[0])
                 for name, drafter in drafters.items():
-                    tallies[name].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids), vanilla[0])
+                    tallies[name].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids, number),
+                                      vanilla[0])
                 if peer:
                     tallies[PEER].add(*peer.run(prompt_ids, args, tokenizer.eos_ids), vanilla[0])
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
@@ -131,7 +152,7 @@ def bench_methods(args, tokenizer):
 def warm_up(model, peer, tokenizer):
     """First calls allocate memory and lay out weights for the tree kernels: keep them out of timing."""
     ids = tokenizer.prompt_ids("Say hello, then say hello again.", raw=False)
-    warm = argparse.Namespace(new_tokens=8)
+    warm = argparse.Namespace(new_tokens=8, temperature=0.0)
     for drafter in [Drafter(), NGramDrafter()]:  # not the run's drafters: their state is the point
         run_ours(model, ids, drafter, warm, tokenizer.eos_ids)
     if peer:
@@ -140,13 +161,60 @@ def warm_up(model, peer, tokenizer):
 
 def print_category(dtype_name, category, tallies, args):
     vanilla = tallies["vanilla"]
-    print(f"\n## {category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, greedy")
+    mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
+    print(f"\n## {category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}")
     rows = []
     for name, t in tallies.items():
         rows.append([name, f"{t.new_tokens / t.forward_passes:.2f}", f"{t.new_tokens / t.seconds:.1f}",
-                     f"{vanilla.seconds / t.seconds * t.new_tokens / vanilla.new_tokens:.2f}x",
-                     f"{t.same_as_vanilla}/{t.prompts}"])
+                     f"{speedup(t, vanilla):.2f}x",
+                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
     print(table(["method", "tau (tokens/pass)", "tokens/s", "speedup", "output = vanilla"], rows), flush=True)
+
+
+def speedup(t: Tally, vanilla: Tally) -> float:
+    """Tokens per second over vanilla's, both measured in the same run."""
+    return (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds)
+
+
+# ---- the draft-model method per gamma -------------------------------------------------------------
+
+def bench_speculative(args, tokenizer):
+    model = load_checkpoint(default_model_dir(), torch.float32)
+    model.prepare_tree_kernels()
+    draft = model.first_layers(args.draft_layers)
+    step = {T: ours_step_latency(model, 256, T, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
+    c = ours_step_latency(draft, 256, 1, args.reps) / step[1]
+    prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
+               for text in bench_data.prompts(category, args.prompts)]
+    warm_up(model, None, tokenizer)
+    tallies = {"vanilla": Tally(), **{gamma: Tally() for gamma in args.gammas}}
+    counts = {gamma: [0, 0] for gamma in args.gammas}  # accepted guesses, rejections
+    for number, prompt_ids in enumerate(prompts, 1):
+        vanilla = generation(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
+        tallies["vanilla"].add(vanilla.token_ids, vanilla.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
+        for gamma in args.gammas:
+            gen = generation(model, prompt_ids, DraftModelDrafter(draft, gamma), args, tokenizer.eos_ids, number)
+            tallies[gamma].add(gen.token_ids, gen.forward_passes, gen.decode_seconds, vanilla.token_ids)
+            counts[gamma][0] += gen.draft_tokens_accepted
+            counts[gamma][1] += gen.draft_rejections
+        print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    mode = f"temperature {args.temperature}" if args.temperature else "greedy"
+    print(f"\n## speculative, draft = the model's first {args.draft_layers} layers: {len(prompts)} prompts "
+          f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, {mode}; "
+          f"c = draft step / target step = {c:.3f}")
+    rows = []
+    for gamma in args.gammas:
+        t, (accepted, rejected) = tallies[gamma], counts[gamma]
+        alpha = accepted / max(accepted + rejected, 1)
+        expected_tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0
+        per_verify = (t.new_tokens - t.prompts) / (t.forward_passes - t.prompts)  # prefill yields 1 token
+        rows.append([gamma, f"{alpha:.3f}", f"{per_verify:.2f}", f"{expected_tokens:.2f}",
+                     f"{speedup(t, tallies['vanilla']):.2f}x", f"{expected_tokens / (gamma * c + 1):.2f}x",
+                     f"{expected_tokens / (gamma * c + step[gamma + 1] / step[1]):.2f}x",
+                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
+    print(table(["gamma", "alpha", "tokens/verify pass", "expected", "measured speedup",
+                 "Leviathan expected", "expected with L(gamma+1)/L(1)", "output = vanilla"], rows), flush=True)
 
 
 # ---- latency -------------------------------------------------------------------------------------
@@ -250,25 +318,36 @@ def ratio(a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", nargs="?", default="methods", choices=["methods", "latency"],
-                   help="methods x categories, or vanilla speed and step latency")
+    p.add_argument("what", nargs="?", default="methods", choices=["methods", "speculative", "latency"],
+                   help="methods x categories; the draft-model method per gamma; or vanilla speed and "
+                        "step latency")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0 every method samples exactly at this temperature")
+    p.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS,
+                   help="the speculative method's draft: the model's first N layers")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"],
-                   choices=["anpd", "lookahead", "lookahead-parallel"], help="methods next to vanilla")
+                   choices=["anpd", "lookahead", "lookahead-parallel", "speculative"],
+                   help="methods next to vanilla")
     g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
     g.add_argument("--prompts", type=int, default=2, help="prompts per category, spread over the set")
     g.add_argument("--full", action="store_true", help="every prompt of every set")
+    g = p.add_argument_group("speculative")
+    g.add_argument("--gammas", nargs="+", type=int, default=[1, 2, 4],
+                   help="draft tokens per step to compare")
     g = p.add_argument_group("latency")
     g.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
     g.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
     args = p.parse_args(argv)
-    if min(args.new_tokens, args.reps, args.rounds, args.prompts) < 1:
-        p.error("--new-tokens, --prompts, --rounds and --reps must be at least 1")
+    if min(args.new_tokens, args.reps, args.rounds, args.prompts, *args.gammas) < 1:
+        p.error("--new-tokens, --prompts, --rounds, --reps and --gammas must be at least 1")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
     print(f"# bench.py {args.what}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
@@ -276,6 +355,8 @@ def main(argv=None):
         with torch.inference_mode():
             if args.what == "methods":
                 bench_methods(args, tokenizer)
+            elif args.what == "speculative":
+                bench_speculative(args, tokenizer)
             else:
                 for name in args.dtypes:
                     bench_latency(name, args, tokenizer)

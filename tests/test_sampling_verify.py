@@ -227,6 +227,12 @@ def test_typical_acceptance_takes_the_longest_passing_path():
     assert verdict.tokens[:2] == [1, 0]
 
 
+def test_typical_acceptance_without_guesses_samples_p():
+    probs = torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)
+    emitted = outcomes(lambda chance: verify_typical(Tree([1], [-1]), probs, TypicalAcceptance(), chance))
+    assert_same_distribution(emitted, {(0,): 0.2, (1,): 0.3, (2,): 0.5})
+
+
 def test_typical_acceptance_is_lossy():
     """It accepts any guess above its threshold, so a likely guess is emitted more often than p says:
     here token 1 (p = 0.6 at the root) is always accepted, making it certain."""
