@@ -10,11 +10,14 @@ new token, the *root*. Then, until --max-new-tokens, an end-of-sequence token or
     tree    = drafter.propose()                   # guessed continuations of the root (tree.py)
     logits  = model(tree.tokens, positions = cache length + depth,
                     mask = cache + ancestors)     # ONE forward pass scores every guess
-    verdict = verify(tree, logits)                # accepted path + the model's bonus token (verify.py)
+    verdict = verify(tree, logits)                # accepted path + bonus token: greedy, or exact
+                                                  # speculative sampling (verify.py)
     cache.keep(path)                              # K/V of the accepted nodes only, packed
     drafter.extend(verdict.tokens)                # n-gram / trie statistics learn the new tokens
 
-Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone.
+Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone. Draft-model
+speculative decoding (Leviathan et al. 2023, Algorithm 1) is the drafter whose tree is a chain sampled
+from a small model.
 """
 
 import argparse
