@@ -81,7 +81,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     out = Generation(kv_cache_bytes=cache.memory_bytes())
     start = now(model)
 
-    logits = prefill(model, prompt_ids, cache)
+    logits = model.logits_after(prompt_ids, cache)  # the prefill
     out.forward_passes, out.prefill_seconds = 1, now(model) - start
     new_tokens = accept(out, [choose_token(logits, sampling, generator)], 0, max_new_tokens, budget,
                         eos_ids, on_tokens)
@@ -113,14 +113,6 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
         drafter.end()
     out.decode_seconds = now(model) - start
     return out
-
-
-def prefill(model, prompt_ids: list[int], cache: KVCache) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache; the logits [V] after its last token."""
-    tokens = torch.tensor([prompt_ids], device=model.device)
-    hidden = model.hidden_states(tokens, positions=torch.arange(len(prompt_ids), device=model.device),
-                                 cache=cache)
-    return model.logits(hidden[0, -1])
 
 
 def score_tree(model, cache: KVCache, tree) -> torch.Tensor:
@@ -419,14 +411,15 @@ class TokenPrinter:
         print(self.stream.flush(), flush=True)
 
 
-def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling) -> None:
+def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling,
+               typical: TypicalAcceptance | None) -> None:
     prompt_ids = tokenizer.prompt_ids(prompt, raw=args.raw)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     generator = torch.Generator(model.device).manual_seed(seed)
     printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts)
     gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
                    drafter=drafter, sampling=sampling, generator=generator,
-                   typical=typical_acceptance(args), on_tokens=printer)
+                   typical=typical, on_tokens=printer)
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
     if args.json:
         stats |= {"text": tokenizer.decode(gen.token_ids), "token_ids": gen.token_ids}
@@ -438,7 +431,7 @@ def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling)
         print(summary_line(stats), file=sys.stderr, flush=True)
 
 
-def interactive(args, model, tokenizer, drafter, sampling):
+def interactive(args, model, tokenizer, drafter, sampling, typical):
     print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
@@ -449,7 +442,7 @@ def interactive(args, model, tokenizer, drafter, sampling):
         if not prompt.strip():
             continue
         try:
-            run_prompt(args, model, tokenizer, drafter, prompt, sampling)
+            run_prompt(args, model, tokenizer, drafter, prompt, sampling, typical)
         except UserError as err:  # e.g. a prompt longer than the context: say so, keep the session
             print(f"error: {err}", file=sys.stderr)
 
@@ -460,7 +453,7 @@ def main(argv=None) -> int:
     try:
         check_args(args, parser)
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        typical_acceptance(args)  # check its parameters before the model loads
+        typical = typical_acceptance(args)  # its parameters are checked before the model loads
         is_interactive = args.prompt is None and args.prompt_file is None and sys.stdin.isatty()
         prompts = [] if is_interactive else read_prompts(args)
         if any(not p.strip() for p in prompts):
@@ -469,9 +462,9 @@ def main(argv=None) -> int:
         drafter = make_drafter(args, model, tokenizer)
         with torch.inference_mode():
             if is_interactive:
-                interactive(args, model, tokenizer, drafter, sampling)
+                interactive(args, model, tokenizer, drafter, sampling, typical)
             for prompt in prompts:
-                run_prompt(args, model, tokenizer, drafter, prompt, sampling)
+                run_prompt(args, model, tokenizer, drafter, prompt, sampling, typical)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ import torch
 
 from errors import UserError
 from kv_cache import KVCache
-from sampling import Sampling, target_probs
+from sampling import Sampling, choose_token_and_probs
 from tree import Tree
 
 
@@ -169,29 +169,14 @@ class DraftModelDrafter(Drafter):
         unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
         guesses, guess_probs = [], []
         for _ in range(self.gamma):
-            logits = self.read(unread)
-            token, q = self.choose(logits)
+            logits = self.model.logits_after(unread, self.cache)
+            token, q = choose_token_and_probs(logits, self.sampling, self.generator)  # q: None if greedy
             guesses.append(token)
             guess_probs.append(q)
             unread = [token]
         self.read_guesses = guesses[:-1]  # the last guess is never read: it has no successor
         draft_probs = None if self.sampling.greedy else torch.stack(guess_probs)  # [gamma, V]
         return Tree.chain(self.history[-1], guesses, draft_probs)
-
-    def read(self, tokens: list[int]) -> torch.Tensor:
-        """Run the draft over tokens that follow its cache; the logits [V] after the last one."""
-        device = self.model.device
-        positions = torch.arange(self.cache.length, self.cache.length + len(tokens), device=device)
-        hidden = self.model.hidden_states(torch.tensor([tokens], device=device), positions=positions,
-                                          cache=self.cache)
-        return self.model.logits(hidden[0, -1])
-
-    def choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft's token and the distribution q it was drawn from (None when greedy)."""
-        if self.sampling.greedy:
-            return int(logits.argmax()), None
-        q = target_probs(logits, self.sampling)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------

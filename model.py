@@ -324,6 +324,15 @@ class Llama(nn.Module):
                 if isinstance(module, Linear):
                     module.onednn_weight()
 
+    def logits_after(self, tokens: list[int], cache) -> torch.Tensor:
+        """Feed `tokens`, which follow what `cache` holds (positions cache.length onwards, causal
+        attention), into the cache; return the logits [V] after the last of them. A prompt's prefill
+        on an empty cache, or a draft model's step."""
+        positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)
+        hidden = self.hidden_states(torch.tensor([tokens], device=self.device), positions=positions,
+                                    cache=cache)
+        return self.logits(hidden[0, -1])
+
     def logits(self, hidden):
         """[B, T, D] -> [B, T, V]. Kept separate so callers project only the positions they need."""
         return self.lm_head(hidden)

@@ -52,6 +52,14 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 def choose_token(logits: torch.Tensor, sampling: Sampling, generator=None) -> int:
     """The next token from one position's logits [V]: argmax when greedy, else a draw from p."""
+    return choose_token_and_probs(logits, sampling, generator)[0]
+
+
+def choose_token_and_probs(logits: torch.Tensor, sampling: Sampling,
+                           generator=None) -> tuple[int, torch.Tensor | None]:
+    """choose_token, and the distribution p [V] it drew from (None when greedy: the argmax). A draft
+    model hands this p to the verifier as its q."""
     if sampling.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, sampling), 1, generator=generator))
+        return int(logits.argmax()), None
+    probs = target_probs(logits, sampling)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
