@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, Request, TrieDrafter
+from drafters import (Drafter, DraftModelDrafter, MedusaDrafter, MedusaHeads, NGramDrafter, PromptDrafter,
+                      PromptTokens, Request, TrieDrafter)
 from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, choose_token
@@ -42,9 +43,15 @@ METHODS = {
     "lookahead": "trie-based retrieval of several guessed branches from prompts and earlier output",
     "speculative": "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
                    "the model's own first --draft-layers layers)",
+    "medusa": "trained Medusa heads guess the next tokens from the model's last hidden state; their "
+              "top-k form a sparse tree",
+    "ppd": "parallel prompt decoding: trained prompt tokens ride along in each forward pass and guess "
+           "the next tokens; a dynamic sparse tree",
 }
+TREE_METHODS = ["anpd", "lookahead", "medusa", "ppd"]  # the methods whose guess budget --calibrate tunes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_DRAFT_LAYERS = 4
+DEFAULT_TREE_ROWS = 8  # medusa and ppd without --calibrate: best tau(n)/L(n) measured here (README)
 
 
 @dataclass
@@ -81,12 +88,15 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     out = Generation(kv_cache_bytes=cache.memory_bytes())
     start = now(model)
 
-    logits = model.logits_after(prompt_ids, cache)  # the prefill
+    positions = torch.arange(len(prompt_ids), device=model.device)
+    last_hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
+                                      cache=cache)[0, -1]  # the prefill
     out.forward_passes, out.prefill_seconds = 1, now(model) - start
-    new_tokens = accept(out, [choose_token(logits, sampling, generator)], 0, max_new_tokens, budget,
-                        eos_ids, on_tokens)
+    new_tokens = accept(out, [choose_token(model.logits(last_hidden), sampling, generator)], 0,
+                        max_new_tokens, budget, eos_ids, on_tokens)
     clock = now(model)
     drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + budget))
+    drafter.observe(last_hidden, last_hidden[:0])
     try:
         while True:
             drafter.extend(new_tokens)
@@ -98,10 +108,15 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
 
             clock = now(model)
             tree_start = cache.length
-            verdict = verify(tree, score_tree(model, cache, tree), sampling, generator, typical)
-            cache.keep(tree_start, verdict.path)  # the rejected guesses' K/V are dropped
+            hidden = score_tree(model, cache, tree, drafter.prompt_embeddings(tree))  # [N + P, D]
+            verdict = verify(tree, model.logits(hidden[:len(tree)]), sampling, generator, typical)
+            cache.keep(tree_start, verdict.path)  # the rejected guesses' (and prompt tokens') K/V go
             out.forward_passes += 1
             out.forward_seconds += now(model) - clock
+            clock = now(model)
+            last = verdict.path[-1]
+            drafter.observe(hidden[last], hidden[tree.prompt_rows(last)])
+            out.draft_seconds += now(model) - clock
 
             out.draft_tokens_proposed += tree.draft_size
             out.draft_rejections += bool(tree.children[verdict.path[-1]])
@@ -115,12 +130,16 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     return out
 
 
-def score_tree(model, cache: KVCache, tree) -> torch.Tensor:
-    """One forward pass over every node of the tree, appended to the cache: logits [N, V]."""
-    hidden = model.hidden_states(torch.tensor([tree.tokens], device=model.device),
-                                 positions=tree.positions(cache.length, model.device),
+def score_tree(model, cache: KVCache, tree, prompt_embeddings=None) -> torch.Tensor:
+    """One forward pass over every node of the tree, then its prompt tokens (PPD: their inputs are
+    `prompt_embeddings` [P, D]), appended to the cache: final hidden states [N + P, D]."""
+    tokens = torch.tensor([tree.tokens], device=model.device)
+    inputs = {"tokens": tokens}
+    if prompt_embeddings is not None:
+        inputs = {"embeds": torch.cat([model.embed(tokens), prompt_embeddings[None].to(model.dtype)], dim=1)}
+    hidden = model.hidden_states(**inputs, positions=tree.positions(cache.length, model.device),
                                  cache=cache, mask=tree.attention_mask(cache.length, model.device))
-    return model.logits(hidden[0])
+    return hidden[0]
 
 
 def accept(out: Generation, tokens: list[int], guessed: int, max_new_tokens: int, budget: int,
@@ -232,14 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
                            "layers (then its final norm and LM head): self-speculative, no extra weights")
     spec.add_argument("--gamma", type=int, default=DraftModelDrafter.DEFAULT_GAMMA,
                       help="tokens the draft guesses per step")
+    learned = p.add_argument_group("medusa (Cai et al. 2024) and ppd (Chen et al. 2024)")
+    learned.add_argument("--trained", type=Path, metavar="PATH",
+                         help="the trained heads / prompt tokens, PATH.safetensors + PATH.json, made by "
+                              "train_prompt.py (default: trained/<method>-<model folder>, shipped for "
+                              "the default model)")
+    learned.add_argument("--tree-rows", type=int, metavar="N",
+                         help="inputs per forward pass: the root, the guesses and (ppd) the prompt tokens "
+                              "(default: what --calibrate chose on this machine, else "
+                              f"{DEFAULT_TREE_ROWS})")
+    learned.add_argument("--static-tree", action="store_true",
+                         help="ppd: every node carries all prompt tokens, instead of the dynamic sparse "
+                              "tree (section 4) that gives them where they pay most")
+    p.add_argument("--calibrate", action="store_true",
+                   help=f"for {', '.join(TREE_METHODS)}: measure the forward-pass latency L(n) on this "
+                        "machine and dtype and the tokens per pass tau(n), save the n that maximises "
+                        "tau(n)/L(n) as this machine's default, print the table, and exit")
     return p
 
 
-# options that only mean something for one method: giving them to another is a mistake to report
+# options that only mean something for some methods: giving them to another is a mistake to report
 METHOD_OPTIONS = {
-    "anpd": ["ngram_n", "ngram_k"],
-    "lookahead": ["decoding_length", "branch_length", "lookahead_mode"],
-    "speculative": ["draft_model", "draft_layers", "gamma"],
+    "ngram_n": ["anpd"], "ngram_k": ["anpd"],
+    "decoding_length": ["lookahead"], "branch_length": ["lookahead"], "lookahead_mode": ["lookahead"],
+    "draft_model": ["speculative"], "draft_layers": ["speculative"], "gamma": ["speculative"],
+    "trained": ["medusa", "ppd"], "tree_rows": ["medusa", "ppd"], "static_tree": ["ppd"],
 }
 
 
@@ -252,7 +288,39 @@ def make_drafter(args, model, tokenizer) -> Drafter:
     if args.method == "lookahead":
         return TrieDrafter(args.decoding_length, args.branch_length,
                            hierarchical=args.lookahead_mode == "hierarchical")
+    if args.method in ("medusa", "ppd"):
+        return learned_drafter(args.method, model, trained_path(args),
+                               args.tree_rows or DEFAULT_TREE_ROWS, args.static_tree)
     return Drafter()
+
+
+def trained_path(args) -> Path:
+    from artifacts import SHIPPED
+    from convert import default_model_dir
+
+    folder = args.model if args.model is not None else default_model_dir()
+    return args.trained if args.trained is not None else SHIPPED / f"{args.method}-{folder.name}"
+
+
+def learned_drafter(method: str, model, path: Path, rows: int, static: bool = False) -> Drafter:
+    """Medusa heads or PPD prompt tokens from their artifact, with the sparse tree of at most
+    `rows` inputs per pass that their measured accuracies make best (tree.py)."""
+    import artifacts
+    from tree import best_prompt_tree, best_sparse_tree
+
+    tensors, meta = artifacts.load(path, method, model)
+    accuracy = meta["accuracy"]
+    if method == "medusa":
+        heads = MedusaHeads(model.config.hidden_size, meta["heads"]).to(model.device, model.dtype)
+        heads.load_state_dict(tensors)
+        return MedusaDrafter(model, heads.eval(), best_sparse_tree(accuracy, rows - 1))
+    prompt_tokens = PromptTokens(tensors["embeddings"])
+    m, n = prompt_tokens.count, prompt_tokens.ensembles
+    smallest = 1 + (m if static else 1) * n  # the root and its prompt-token copies
+    if rows < smallest:
+        raise UserError(f"--tree-rows {rows} cannot hold the root and its prompt tokens ({m} prompt tokens "
+                        f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
+    return PromptDrafter(model, prompt_tokens, best_prompt_tree(accuracy, rows, m, n, dynamic=not static))
 
 
 def check_args(args, parser) -> None:
@@ -260,10 +328,13 @@ def check_args(args, parser) -> None:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.seed is not None and args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    for method, names in METHOD_OPTIONS.items():
-        for name in names:
-            if method != args.method and getattr(args, name) != parser.get_default(name):
-                raise UserError(f"--{name.replace('_', '-')} applies to --method {method} only")
+    for name, methods in METHOD_OPTIONS.items():
+        if args.method not in methods and getattr(args, name) != parser.get_default(name):
+            raise UserError(f"--{name.replace('_', '-')} applies to --method {' and '.join(methods)} only")
+    if args.tree_rows is not None and args.tree_rows < 2:
+        raise UserError(f"--tree-rows must be at least 2 (the root and one guess), got {args.tree_rows}")
+    if args.calibrate and args.method not in TREE_METHODS:
+        raise UserError(f"--calibrate tunes {', '.join(TREE_METHODS)}; --method {args.method} has no tree size")
     if args.acceptance == "typical":
         if args.method == "vanilla":
             raise UserError("--acceptance typical needs a method that guesses (vanilla guesses nothing)")

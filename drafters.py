@@ -6,6 +6,12 @@ chosen token; decode.py verifies it and tells the drafter which tokens were acce
     drafter.extend(new_tokens)  # the tokens the verifier accepted (guesses + the bonus token)
     drafter.end()               # the request is over
 
+and, for the drafters that learn from the model's own states (Medusa, PPD):
+
+    drafter.prompt_embeddings(tree) -> [P, D]     # inputs for the tree's prompt-token rows
+    drafter.observe(hidden, prompt_hidden)        # after each pass: final hidden states of the last
+                                                  # accepted node [D] and of its prompt tokens [P', D]
+
 - `Drafter` itself proposes nothing: that is vanilla decoding.
 - `NGramDrafter`: ANPD (Ou et al. 2024, "Lossless Acceleration of Large Language Model via Adaptive
   N-gram Parallel Decoding"): a multi-level n-gram table (section 3.2, Algorithm 2) built from the
@@ -13,6 +19,12 @@ chosen token; decode.py verifies it and tells the drafter which tokens were acce
   of K tokens (Algorithm 1, lines 11-16). Defaults N=5, K=7 (section 4.4).
 - `DraftModelDrafter`: speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
   Algorithm 2): a small draft model with its own KV cache samples a chain of gamma tokens.
+- `MedusaDrafter`: Medusa (Cai et al. 2024, section 2.1): K heads read the final hidden state of the
+  last accepted token and guess the tokens 1..K places after the next one; their top-k form a
+  sparse tree (section 2.1.2).
+- `PromptDrafter`: PPD (Chen et al. 2024, section 3): trained prompt-token embeddings ride along in
+  the verifying pass, appended to the tree's nodes, and guess the tokens after the accepted one; the
+  tree's shape depends on how many prompt tokens the accepted node carried (section 4).
 - `TrieDrafter`: Lookahead (Zhao et al. 2023, "Lookahead: An Inference Acceleration Framework for
   Large Language Model with Lossless Generation Accuracy"): a trie of token sequences from the prompt
   and from generated output (section 4.3.1), queried with multi-stage retrieval (section 4.3.2) for a
@@ -24,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from errors import UserError
 from kv_cache import KVCache
@@ -53,6 +66,14 @@ class Drafter:
 
     def propose(self) -> Tree:
         return Tree.chain(self.history[-1], [])
+
+    def prompt_embeddings(self, tree: Tree) -> torch.Tensor | None:
+        """Inputs for the tree's prompt-token rows (PPD), or None when it has none."""
+        return None
+
+    def observe(self, hidden: torch.Tensor, prompt_hidden: torch.Tensor) -> None:
+        """After a pass, the final hidden states of the last accepted node [D] and of the prompt
+        tokens it carried [P', D] (see prompt_rows in tree.py)."""
 
     def end(self) -> None:
         pass
@@ -177,6 +198,131 @@ class DraftModelDrafter(Drafter):
         self.read_guesses = guesses[:-1]  # the last guess is never read: it has no successor
         draft_probs = None if self.sampling.greedy else torch.stack(guess_probs)  # [gamma, V]
         return Tree.chain(self.history[-1], guesses, draft_probs)
+
+
+# ---- learned guessers: Medusa heads and PPD prompt tokens ---------------------------------------
+
+TOP_RANKS = 10  # candidates kept per distance; sparse trees rank them 0..9 (accuracy tables too)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W and b zero at the start so the block begins as the identity (Medusa's
+    head body, section 2.1.1)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads. Head k (1-based) maps the final hidden state at position t to logits for the
+    token at t+k+1: p_t^(k) = softmax(LM_head(ResBlock_k(h_t))) (section 2.1.1).
+
+    Medusa gives each head its own copy of the LM head, initialised from it and trained. Here the
+    copy is the model's LM head itself, shared and frozen: a copy would be 28M parameters per head for
+    the default model (113 MB in float32), too big to ship and too slow to train on 2 CPU cores. So
+    head k starts as the model's own next-token guess, and its ResBlock learns to look further.
+    """
+
+    def __init__(self, hidden_size: int, count: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(count))
+
+    def forward(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
+        """hidden [..., D] -> logits [K, ..., V]."""
+        return torch.stack([lm_head(block(hidden)) for block in self.blocks])
+
+
+class PromptTokens(nn.Module):
+    """PPD's only trained parameters: embeddings [m, n, D] of m prompt tokens (distances 1..m), each
+    in n ensemble copies (EPTs, section 3.2)."""
+
+    def __init__(self, embeddings: torch.Tensor):
+        super().__init__()
+        self.embeddings = nn.Parameter(embeddings)
+
+    @property
+    def count(self) -> int:
+        return self.embeddings.shape[0]
+
+    @property
+    def ensembles(self) -> int:
+        return self.embeddings.shape[1]
+
+    def for_slots(self, slots) -> torch.Tensor:
+        """[P, D] inputs for (node, distance, group) slots."""
+        distance = torch.tensor([d - 1 for _, d, _ in slots], device=self.embeddings.device)
+        group = torch.tensor([g for _, _, g in slots], device=self.embeddings.device)
+        return self.embeddings[distance, group]
+
+    def logits(self, prompt_hidden: torch.Tensor, lm_head) -> torch.Tensor:
+        """Final hidden states of k prompt tokens' copies [k * n, D] -> logits [k, V], averaged over
+        each prompt token's n EPTs (section 3.2; appendix B.6: averaging beats learned weights)."""
+        return lm_head(prompt_hidden).view(-1, self.ensembles, lm_head.weight.shape[0]).mean(1)
+
+
+class TopKDrafter(Drafter):
+    """A drafter whose guesses are the top-ranked tokens of per-distance logits computed in the
+    previous pass: candidates[d] ranks guesses for the token d+1 places after the root."""
+
+    def begin(self, request):
+        super().begin(request)
+        self.candidates: list[list[int]] = []
+
+    def keep_top(self, logits: torch.Tensor) -> None:
+        """logits [distances, V] -> the TOP_RANKS best tokens per distance."""
+        self.candidates = logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices.tolist()
+
+
+class MedusaDrafter(TopKDrafter):
+    """Medusa: the heads' top-k along a fixed sparse tree `spec` (tree.best_sparse_tree of the heads'
+    measured accuracies)."""
+
+    def __init__(self, model, heads: MedusaHeads, spec: list[tuple]):
+        self.model, self.heads, self.spec = model, heads, spec
+        self.max_draft_tokens = len(spec)
+
+    def observe(self, hidden, prompt_hidden):
+        self.keep_top(self.heads(hidden, self.model.lm_head))
+
+    def propose(self):
+        if not self.candidates:
+            return super().propose()
+        return Tree.from_topk(self.history[-1], self.candidates, self.spec)
+
+
+class PromptDrafter(TopKDrafter):
+    """PPD: the prompt tokens carried by the last accepted node guessed `k` distances ahead, so the
+    next tree is the state T_k of the dynamic sparse tree (section 4, Figure 3), its nodes carrying
+    the prompt tokens the tree allots them. Before the first guesses (after the prefill) the root
+    alone goes through the model, carrying all m prompt tokens."""
+
+    def __init__(self, model, prompt_tokens: PromptTokens, tree):
+        self.model, self.prompt_tokens, self.tree = model, prompt_tokens, tree
+        first = (prompt_tokens.count + 1) * prompt_tokens.ensembles  # the root and its prompt tokens
+        self.max_draft_tokens = max(first, tree.rows) - 1
+
+    def observe(self, hidden, prompt_hidden):
+        self.candidates = []
+        if len(prompt_hidden):
+            self.keep_top(self.prompt_tokens.logits(prompt_hidden, self.model.lm_head))
+
+    def propose(self):
+        ensembles = self.prompt_tokens.ensembles
+        if not self.candidates:
+            return Tree([self.history[-1]], [-1], prompt_counts=[self.prompt_tokens.count],
+                        ensembles=ensembles)
+        state = self.tree.states[len(self.candidates)]
+        return Tree.from_topk(self.history[-1], self.candidates, state.spec, state.prompt_counts, ensembles)
+
+    def prompt_embeddings(self, tree):
+        slots = tree.prompt_slots()
+        return self.prompt_tokens.for_slots(slots) if slots else None
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------

@@ -154,7 +154,7 @@ class Linear(nn.Linear):
       use): 30 ms for 8 rows, 44 for 16 (blocked bmm: 37 / 48; F.linear: 46 / 58). In the whole
       model this beat blocked bmm already at 2-4 rows (a step over 2 tokens: 50 vs 62 ms). It costs
       a second copy of the weights in memory.
-    Prefill, other dtypes, GPUs and CPUs without oneDNN use the ordinary F.linear.
+    Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
     """
 
     BLOCK_ROWS = 64
@@ -163,7 +163,8 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_PACKED_ROWS:
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_PACKED_ROWS
+                or x.requires_grad):  # training (train_prompt.py) needs kernels autograd knows
             return F.linear(x, self.weight)
         if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
             return self.blocked_matmul(x, rows)
