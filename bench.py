@@ -6,6 +6,8 @@
     python bench.py --full              # every prompt of every set (hours on a CPU)
     python bench.py --temperature 0.7 --methods anpd lookahead speculative  # sampling rows
     python bench.py speculative         # the draft-model method per gamma, next to Leviathan's formula
+    python bench.py --methods anpd medusa ppd --categories chat   # the trained guessers next to ANPD
+    python bench.py learned --categories chat   # Medusa vs PPD per tree budget, accuracy, parameters
     python bench.py latency             # vanilla tokens/s and L(T), ours next to transformers'
 
 `methods` (the default) prints one table per category and dtype: for each method, tau (new tokens
@@ -26,6 +28,11 @@ and the measured speedup next to Leviathan et al.'s expected walltime improvemen
 a draft step over a target step. That formula assumes verifying gamma + 1 tokens costs one target
 step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured ratio in its place.
 
+`learned` prints the trained parts' size and held-out accuracy at distances 1-3, top-1 and top-5
+(PPD Table 2's layout), then Medusa, PPD with the dynamic sparse tree and PPD with a static tree
+(every node carrying all prompt tokens: PPD Figure 8a) at each --budgets number of inputs per forward
+pass: tau predicted from the accuracies next to tau measured, speedup over vanilla in the same run.
+
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
 latency L(T): one forward pass feeding T new tokens on 256 or 1024 cached ones, logits included
@@ -42,13 +49,15 @@ import torch
 
 import bench_data
 from convert import default_model_dir
-from decode import DEFAULT_DRAFT_LAYERS, DTYPES, generate
+from artifacts import SHIPPED, load as load_artifact
+from calibrate import forward_latency, saved_rows
+from decode import DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, DTYPES, generate, learned_drafter
 from drafters import DraftModelDrafter, Drafter, NGramDrafter, TrieDrafter
 from errors import UserError
-from kv_cache import KVCache
 from model import load_checkpoint
 from sampling import Sampling
 from tokenizer import Tokenizer
+from tree import expected_accepted
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Write a Python function that checks whether a string is a palindrome.",
@@ -78,12 +87,24 @@ class Tally:
         self.prompts += 1
 
 
-def make_drafters(names, model, draft_layers) -> dict:
+def make_drafters(names, model, args) -> dict:
     """One drafter per method for the whole run (Lookahead's trie carries over between prompts)."""
     makers = {"anpd": NGramDrafter, "lookahead": TrieDrafter,
               "lookahead-parallel": lambda: TrieDrafter(hierarchical=False),
-              "speculative": lambda: DraftModelDrafter(model.first_layers(draft_layers))}
+              "speculative": lambda: DraftModelDrafter(model.first_layers(args.draft_layers)),
+              "medusa": lambda: learned(model, "medusa", learned_rows(model, "medusa", args)),
+              "ppd": lambda: learned(model, "ppd", learned_rows(model, "ppd", args)),
+              "ppd-static": lambda: learned(model, "ppd", learned_rows(model, "ppd-static", args), static=True)}
     return {name: makers[name]() for name in names}
+
+
+def learned(model, method, rows, static=False):
+    return learned_drafter(method, model, SHIPPED / f"{method}-{default_model_dir().name}", rows, static)
+
+
+def learned_rows(model, method, args) -> int:
+    """--tree-rows, else what decode.py --calibrate chose on this machine, else decode.py's default."""
+    return args.tree_rows or saved_rows(model, method) or DEFAULT_TREE_ROWS
 
 
 def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
@@ -129,7 +150,7 @@ def bench_methods(args, tokenizer):
         model.prepare_tree_kernels()
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
             dtype_name == "float32" and not args.skip_transformers and args.temperature == 0) else None
-        drafters = make_drafters(args.methods, model, args.draft_layers)
+        drafters = make_drafters(args.methods, model, args)
         methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
         warm_up(model, peer, tokenizer)
         for category, texts in prompt_sets.items():
@@ -182,8 +203,8 @@ def bench_speculative(args, tokenizer):
     model = load_checkpoint(default_model_dir(), torch.float32)
     model.prepare_tree_kernels()
     draft = model.first_layers(args.draft_layers)
-    step = {T: ours_step_latency(model, 256, T, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
-    c = ours_step_latency(draft, 256, 1, args.reps) / step[1]
+    step = {T: forward_latency(model, T, 256, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
+    c = forward_latency(draft, 1, 256, args.reps) / step[1]
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts)]
     warm_up(model, None, tokenizer)
@@ -217,6 +238,61 @@ def bench_speculative(args, tokenizer):
                  "Leviathan expected", "expected with L(gamma+1)/L(1)", "output = vanilla"], rows), flush=True)
 
 
+# ---- Medusa vs PPD -------------------------------------------------------------------------------
+
+def bench_learned(args, tokenizer):
+    """Medusa vs PPD (dynamic and static trees) on the same budgets of inputs per pass, and the held-out
+    prediction accuracy of their trained parts (PPD Table 2's layout; PPD Figure 8a's static vs
+    dynamic sparse tree)."""
+    model = load_checkpoint(default_model_dir(), torch.float32)
+    model.prepare_tree_kernels()
+    metas = {m: load_artifact(SHIPPED / f"{m}-{default_model_dir().name}", m, model)[1] for m in ("medusa", "ppd")}
+    print("\n## trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
+          "the next one; top-k = the right token among the k best guesses)")
+    rows = []
+    for method, meta in metas.items():
+        acc = meta["accuracy"]
+        cells = [f"{sum(acc[d][:k]):.3f}" if d < len(acc) else "-" for d in range(3) for k in (1, 5)]
+        params = meta["trainable_parameters"]
+        rows.append([method, f"{params:,}", f"{params * 4 / 1024:,.1f} KiB", *cells,
+                     f"{meta['training']['seconds'] / 60:.1f} min"])
+    print(table(["method", "trainable parameters", "extra memory (float32)", "@1 top-1", "@1 top-5",
+                 "@2 top-1", "@2 top-5", "@3 top-1", "@3 top-5", "training time"], rows), flush=True)
+
+    prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
+               for text in bench_data.prompts(category, args.prompts)]
+    warm_up(model, None, tokenizer)
+    variants = {(rows, name): maker for rows in args.budgets for name, maker in [
+        ("medusa", lambda r: learned(model, "medusa", r)), ("ppd dynamic", lambda r: learned(model, "ppd", r)),
+        ("ppd static", lambda r: learned(model, "ppd", r, static=True))]}
+    drafters, tallies = {}, {"vanilla": Tally()}
+    for key, maker in variants.items():
+        try:
+            drafters[key] = maker(key[0])
+            tallies[key] = Tally()
+        except UserError:  # a budget too small for the static tree's prompt tokens
+            pass
+    for number, prompt_ids in enumerate(prompts, 1):
+        vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
+        tallies["vanilla"].add(*vanilla, vanilla[0])
+        for key, drafter in drafters.items():
+            tallies[key].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids, number), vanilla[0])
+        print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
+    print(f"\n## Medusa vs PPD per budget of inputs per forward pass: {len(prompts)} prompts "
+          f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, greedy. tau per verify pass "
+          "(prefill excluded), predicted from the held-out accuracies vs measured")
+    rows = []
+    for (budget, name), drafter in drafters.items():
+        t = tallies[budget, name]
+        per_verify = (t.new_tokens - t.prompts) / max(t.forward_passes - t.prompts, 1)
+        predicted = (drafter.tree.tokens_per_pass if hasattr(drafter, "tree")
+                     else 1 + expected_accepted(metas["medusa"]["accuracy"], drafter.spec))
+        rows.append([budget, name, f"{predicted:.2f}", f"{per_verify:.2f}", f"{t.new_tokens / t.seconds:.1f}",
+                     f"{speedup(t, tallies['vanilla']):.2f}x", f"{t.same_as_vanilla}/{t.prompts}"])
+    print(table(["inputs per pass", "method", "predicted tau", "measured tau", "tokens/s", "speedup",
+                 "output = vanilla"], rows), flush=True)
+
+
 # ---- latency -------------------------------------------------------------------------------------
 
 def timed(fn) -> float:
@@ -235,18 +311,6 @@ def theirs_tokens_per_second(hf_model, prompt_ids, new_tokens) -> float:
     seconds = timed(lambda: hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                               do_sample=False))
     return new_tokens / seconds
-
-
-def ours_step_latency(model, cached, T, reps) -> float:
-    cache = KVCache.for_model(model, capacity=cached + T)
-    model(torch.randint(0, 1000, (1, cached)), positions=torch.arange(cached), cache=cache)
-    new, positions = torch.randint(0, 1000, (1, T)), torch.arange(cached, cached + T)
-
-    def step():
-        model(new, positions=positions, cache=cache)
-        cache.truncate(cached)
-    step()  # warm-up: the first pass at a new T allocates, and lays out weights for oneDNN
-    return statistics.median(timed(step) for _ in range(reps))
 
 
 def theirs_step_latency(hf_model, cached, T, reps) -> float:
@@ -297,7 +361,7 @@ def bench_latency(name, args, tokenizer):
     print(f"\n## {name}: step latency L(T) in ms (median of {args.reps}), T new tokens on a cache", flush=True)
     rows = []
     for cached in CACHED:
-        for label, measure, model in [("ours", ours_step_latency, ours), ("transformers", theirs_step_latency, theirs)]:
+        for label, measure, model in [("ours", lambda m, c, T, r: forward_latency(m, T, c, r), ours), ("transformers", theirs_step_latency, theirs)]:
             if model is None:
                 continue
             latencies = {T: measure(model, cached, T, args.reps) * 1000 for T in STEP_SIZES}
@@ -318,9 +382,9 @@ def ratio(a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", nargs="?", default="methods", choices=["methods", "speculative", "latency"],
-                   help="methods x categories; the draft-model method per gamma; or vanilla speed and "
-                        "step latency")
+    p.add_argument("what", nargs="?", default="methods", choices=["methods", "speculative", "learned", "latency"],
+                   help="methods x categories; the draft-model method per gamma; Medusa vs PPD per tree "
+                        "budget; or vanilla speed and step latency")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
@@ -332,20 +396,27 @@ def main(argv=None):
                    help="the speculative method's draft: the model's first N layers")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"],
-                   choices=["anpd", "lookahead", "lookahead-parallel", "speculative"],
+                   choices=["anpd", "lookahead", "lookahead-parallel", "speculative", "medusa", "ppd", "ppd-static"],
                    help="methods next to vanilla")
+    g.add_argument("--tree-rows", type=int, help="medusa / ppd: inputs per forward pass (default: "
+                   f"decode.py --calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")
     g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
     g.add_argument("--prompts", type=int, default=2, help="prompts per category, spread over the set")
     g.add_argument("--full", action="store_true", help="every prompt of every set")
     g = p.add_argument_group("speculative")
     g.add_argument("--gammas", nargs="+", type=int, default=[1, 2, 4],
                    help="draft tokens per step to compare")
+    g = p.add_argument_group("learned")
+    g.add_argument("--budgets", nargs="+", type=int, default=[6, 8, 12, 16, 24],
+                   help="inputs per forward pass to compare Medusa and PPD at")
     g = p.add_argument_group("latency")
     g.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
     g.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
     args = p.parse_args(argv)
     if min(args.new_tokens, args.reps, args.rounds, args.prompts, *args.gammas) < 1:
         p.error("--new-tokens, --prompts, --rounds, --reps and --gammas must be at least 1")
+    if min(args.budgets) < 2 or (args.tree_rows is not None and args.tree_rows < 2):
+        p.error("--budgets and --tree-rows must be at least 2 (the root and one guess)")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
     print(f"# bench.py {args.what}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -357,6 +428,8 @@ def main(argv=None):
                 bench_methods(args, tokenizer)
             elif args.what == "speculative":
                 bench_speculative(args, tokenizer)
+            elif args.what == "learned":
+                bench_learned(args, tokenizer)
             else:
                 for name in args.dtypes:
                     bench_latency(name, args, tokenizer)

@@ -13,11 +13,15 @@ new token, the *root*. Then, until --max-new-tokens, an end-of-sequence token or
     verdict = verify(tree, logits)                # accepted path + bonus token: greedy, or exact
                                                   # speculative sampling (verify.py)
     cache.keep(path)                              # K/V of the accepted nodes only, packed
+    drafter.observe(hidden states of path[-1])    # Medusa heads / PPD prompt tokens: next guesses
     drafter.extend(verdict.tokens)                # n-gram / trie statistics learn the new tokens
 
 Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone. Draft-model
 speculative decoding (Leviathan et al. 2023, Algorithm 1) is the drafter whose tree is a chain sampled
-from a small model.
+from a small model. Medusa's heads read the final hidden state of the last accepted node (Cai et al.
+2024, section 2.1); PPD's prompt tokens are extra inputs of the same pass, appended to the tree's nodes
+(and to the prompt's last token in the prefill), whose own outputs are the next guesses (Chen et al.
+2024, Figure 2); their K/V are dropped with the rejected guesses'.
 """
 
 import argparse
@@ -88,16 +92,13 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     out = Generation(kv_cache_bytes=cache.memory_bytes())
     start = now(model)
 
-    positions = torch.arange(len(prompt_ids), device=model.device)
-    last_hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
-                                      cache=cache)[0, -1]  # the prefill
-    out.forward_passes, out.prefill_seconds = 1, now(model) - start
-    new_tokens = accept(out, [choose_token(model.logits(last_hidden), sampling, generator)], 0,
-                        max_new_tokens, budget, eos_ids, on_tokens)
-    clock = now(model)
     drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + budget))
-    drafter.observe(last_hidden, last_hidden[:0])
     try:
+        last_hidden = prefill(model, cache, prompt_ids, drafter)
+        out.forward_passes, out.prefill_seconds = 1, now(model) - start
+        new_tokens = accept(out, [choose_token(model.logits(last_hidden), sampling, generator)], 0,
+                            max_new_tokens, budget, eos_ids, on_tokens)
+        clock = now(model)
         while True:
             drafter.extend(new_tokens)
             if out.stop_reason:
@@ -128,6 +129,23 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
         drafter.end()
     out.decode_seconds = now(model) - start
     return out
+
+
+def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> torch.Tensor:
+    """The prompt's pass: its K/V into the cache; returns the last token's final hidden state [D]
+    (the first new token is chosen from its logits) after showing it to the drafter. PPD's drafter
+    hangs its prompt tokens on the last prompt token, so the first tree already has guesses."""
+    tree = drafter.prefill_tree(prompt_ids)
+    if tree is None:  # the plain causal pass
+        positions = torch.arange(len(prompt_ids), device=model.device)
+        hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
+                                     cache=cache)[0]
+    else:
+        hidden = score_tree(model, cache, tree, drafter.prompt_embeddings(tree))
+        cache.truncate(len(prompt_ids))  # prompt tokens' K/V are never kept
+    last = len(prompt_ids) - 1
+    drafter.observe(hidden[last], hidden[len(prompt_ids):])
+    return hidden[last]
 
 
 def score_tree(model, cache: KVCache, tree, prompt_embeddings=None) -> torch.Tensor:
@@ -233,12 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     anpd = p.add_argument_group("anpd (Ou et al. 2024)")
     anpd.add_argument("--ngram-n", type=int, default=NGramDrafter.DEFAULT_N, metavar="N",
                       help="longest n-gram level; levels 2..N are kept and the longest match wins")
-    anpd.add_argument("--ngram-k", type=int, default=NGramDrafter.DEFAULT_K, metavar="K",
-                      help="guessed tokens per step")
+    anpd.add_argument("--ngram-k", type=int, metavar="K",
+                      help="guessed tokens per step (default: what --calibrate chose on this machine, "
+                           f"else {NGramDrafter.DEFAULT_K})")
     look = p.add_argument_group("lookahead (Zhao et al. 2023)")
-    look.add_argument("--decoding-length", type=int, default=TrieDrafter.DEFAULT_DECODING_LENGTH,
+    look.add_argument("--decoding-length", type=int,
                       help="guessed tokens per step, over all branches (the paper uses up to 64 on "
-                           "GPUs; on a CPU a pass over 16 tokens costs ~1.9x one token, over 8 ~1.55x)")
+                           "GPUs; on a CPU a pass over 16 tokens costs ~1.9x one token, over 8 ~1.55x; "
+                           "default: what --calibrate chose on this machine, else "
+                           f"{TrieDrafter.DEFAULT_DECODING_LENGTH})")
     look.add_argument("--branch-length", type=int, default=TrieDrafter.DEFAULT_BRANCH_LENGTH,
                       help="the longest guessed branch")
     look.add_argument("--lookahead-mode", default="hierarchical", choices=["hierarchical", "parallel"],
@@ -279,19 +300,75 @@ METHOD_OPTIONS = {
 }
 
 
+# each tree method's size option, and how many inputs per pass (root included) a value of it means
+SIZE_OPTIONS = {"anpd": ("ngram_k", NGramDrafter.DEFAULT_K, 1),
+                "lookahead": ("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1),
+                "medusa": ("tree_rows", DEFAULT_TREE_ROWS, 0), "ppd": ("tree_rows", DEFAULT_TREE_ROWS, 0)}
+
+
 def make_drafter(args, model, tokenizer) -> Drafter:
     """One drafter for the whole process: Lookahead's trie keeps learning across prompts."""
     if args.method == "speculative":
         return DraftModelDrafter(load_draft(args, model, tokenizer), args.gamma)
-    if args.method == "anpd":
-        return NGramDrafter(n=args.ngram_n, k=args.ngram_k)
-    if args.method == "lookahead":
-        return TrieDrafter(args.decoding_length, args.branch_length,
-                           hierarchical=args.lookahead_mode == "hierarchical")
-    if args.method in ("medusa", "ppd"):
-        return learned_drafter(args.method, model, trained_path(args),
-                               args.tree_rows or DEFAULT_TREE_ROWS, args.static_tree)
+    if args.method in SIZE_OPTIONS:
+        return sized_drafter(args, model, tree_rows(args, model))
     return Drafter()
+
+
+def tree_rows(args, model) -> int:
+    """Inputs per pass: the size option if given, else this machine's calibrated size, else the default."""
+    from calibrate import saved_rows
+
+    name, default, root = SIZE_OPTIONS[args.method]
+    if getattr(args, name) is not None:
+        return getattr(args, name) + root
+    calibrated = saved_rows(model, calibration_name(args))
+    if calibrated is not None:
+        print(f"{args.method}: {calibrated} inputs per pass, as --calibrate chose for this machine",
+              file=sys.stderr)
+        return calibrated
+    return default + root
+
+
+def calibration_name(args) -> str:
+    return args.method + ("-static" if args.static_tree else "")
+
+
+def sized_drafter(args, model, rows: int) -> Drafter:
+    """The method's drafter with a guess budget of `rows` inputs per forward pass."""
+    if args.method == "anpd":
+        return NGramDrafter(n=args.ngram_n, k=rows - 1)
+    if args.method == "lookahead":
+        return TrieDrafter(rows - 1, args.branch_length, hierarchical=args.lookahead_mode == "hierarchical")
+    return learned_drafter(args.method, model, trained_path(args), rows, args.static_tree)
+
+
+def run_calibration(args, model, tokenizer) -> None:
+    """--calibrate: the tree size of the best tau(n) / L(n) on this machine, saved (calibrate.py)."""
+    import artifacts
+    from calibrate import calibrate, measured_tau, save_rows
+    from tree import best_prompt_tree, best_sparse_tree, expected_accepted
+
+    if args.method in ("anpd", "lookahead"):
+        def tau(rows):
+            return measured_tau(model, tokenizer, lambda r: sized_drafter(args, model, r), rows, args.raw)
+    else:
+        _, meta = artifacts.load(trained_path(args), args.method, model)
+        accuracy = meta["accuracy"]
+
+        def tau(rows):
+            if args.method == "medusa":
+                return 1 + expected_accepted(accuracy, best_sparse_tree(accuracy, rows - 1))
+            try:
+                return best_prompt_tree(accuracy, rows, meta["prompt_tokens"], meta["ensembles"],
+                                        dynamic=not args.static_tree).tokens_per_pass
+            except ValueError:  # too few rows for the root's prompt tokens
+                return None
+    rows, table = calibrate(model, calibration_name(args), tau)
+    save_rows(model, calibration_name(args), rows, table)
+    name, _, root = SIZE_OPTIONS[args.method]
+    print(f"best for {args.method} here: {rows} inputs per pass (--{name.replace('_', '-')} {rows - root}); "
+          f"saved as this machine's default", file=sys.stderr)
 
 
 def trained_path(args) -> Path:
@@ -335,6 +412,8 @@ def check_args(args, parser) -> None:
         raise UserError(f"--tree-rows must be at least 2 (the root and one guess), got {args.tree_rows}")
     if args.calibrate and args.method not in TREE_METHODS:
         raise UserError(f"--calibrate tunes {', '.join(TREE_METHODS)}; --method {args.method} has no tree size")
+    if args.calibrate and (args.prompt is not None or args.prompt_file is not None):
+        raise UserError("--calibrate measures on its own prompts and exits; give no --prompt/--prompt-file")
     if args.acceptance == "typical":
         if args.method == "vanilla":
             raise UserError("--acceptance typical needs a method that guesses (vanilla guesses nothing)")
@@ -525,11 +604,15 @@ def main(argv=None) -> int:
         check_args(args, parser)
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         typical = typical_acceptance(args)  # its parameters are checked before the model loads
-        is_interactive = args.prompt is None and args.prompt_file is None and sys.stdin.isatty()
-        prompts = [] if is_interactive else read_prompts(args)
+        is_interactive = (args.prompt is None and args.prompt_file is None and sys.stdin.isatty()
+                          and not args.calibrate)
+        prompts = [] if is_interactive or args.calibrate else read_prompts(args)
         if any(not p.strip() for p in prompts):
             raise UserError("the prompt is empty")
         model, tokenizer = load(args)
+        if args.calibrate:
+            run_calibration(args, model, tokenizer)
+            return 0
         drafter = make_drafter(args, model, tokenizer)
         with torch.inference_mode():
             if is_interactive:

@@ -67,6 +67,10 @@ class Drafter:
     def propose(self) -> Tree:
         return Tree.chain(self.history[-1], [])
 
+    def prefill_tree(self, prompt_ids: Sequence[int]) -> Tree | None:
+        """The prompt as a chain whose last token carries prompt tokens (PPD), or None: a plain pass."""
+        return None
+
     def prompt_embeddings(self, tree: Tree) -> torch.Tensor | None:
         """Inputs for the tree's prompt-token rows (PPD), or None when it has none."""
         return None
@@ -234,8 +238,9 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(count))
 
     def forward(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
-        """hidden [..., D] -> logits [K, ..., V]."""
-        return torch.stack([lm_head(block(hidden)) for block in self.blocks])
+        """hidden [..., D] -> logits [K, ..., V]: one LM-head product for all K heads (while decoding,
+        K rows cost about what one does)."""
+        return lm_head(torch.stack([block(hidden) for block in self.blocks]))
 
 
 class PromptTokens(nn.Module):
@@ -284,7 +289,7 @@ class MedusaDrafter(TopKDrafter):
     measured accuracies)."""
 
     def __init__(self, model, heads: MedusaHeads, spec: list[tuple]):
-        self.model, self.heads, self.spec = model, heads, spec
+        self.model, self.heads, self.spec = model, heads.requires_grad_(False), spec
         self.max_draft_tokens = len(spec)
 
     def observe(self, hidden, prompt_hidden):
@@ -299,13 +304,18 @@ class MedusaDrafter(TopKDrafter):
 class PromptDrafter(TopKDrafter):
     """PPD: the prompt tokens carried by the last accepted node guessed `k` distances ahead, so the
     next tree is the state T_k of the dynamic sparse tree (section 4, Figure 3), its nodes carrying
-    the prompt tokens the tree allots them. Before the first guesses (after the prefill) the root
-    alone goes through the model, carrying all m prompt tokens."""
+    the prompt tokens the tree allots them. The prompt's last token carries all m, so the first tree
+    after the prefill already holds guesses."""
 
     def __init__(self, model, prompt_tokens: PromptTokens, tree):
-        self.model, self.prompt_tokens, self.tree = model, prompt_tokens, tree
-        first = (prompt_tokens.count + 1) * prompt_tokens.ensembles  # the root and its prompt tokens
-        self.max_draft_tokens = max(first, tree.rows) - 1
+        self.model, self.prompt_tokens, self.tree = model, prompt_tokens.requires_grad_(False), tree
+        all_prompt_rows = prompt_tokens.count * prompt_tokens.ensembles  # the prefill's, or the root's alone
+        self.max_draft_tokens = max(all_prompt_rows + 1, tree.rows) - 1
+
+    def prefill_tree(self, prompt_ids):
+        last = len(prompt_ids) - 1
+        return Tree(prompt_ids, list(range(-1, last)), prompt_counts=[0] * last + [self.prompt_tokens.count],
+                    ensembles=self.prompt_tokens.ensembles)
 
     def observe(self, hidden, prompt_hidden):
         self.candidates = []

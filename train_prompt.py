@@ -17,7 +17,7 @@ its sparse trees from them (tree.py) and bench.py prints them.
   exactly as at decoding time, so one base pass over an answer serves many insertions.
 - Medusa-1 (Cai et al. 2024, section 2.2.1): head k learns the token k+1 places ahead with
   L = sum_k lambda_k CE(p^(k)_t, y_{t+k+1}), lambda_k = 0.8^k (the base is frozen, so its final
-  hidden states are computed once and cached).
+  hidden states are computed once and cached beside the data).
 """
 
 import argparse
@@ -53,7 +53,7 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     """(training, held-out) records {"prompt_ids", "answer_ids"}, generated once and cached."""
     from self_distill import generate_answers
 
-    path = data_file(model, folder, args)
+    path = args.data = data_file(model, folder, args)
     print(f"self-distilled answers: {path}", file=sys.stderr)
     records = generate_answers(model, tokenizer, path, count=args.records, max_new_tokens=args.max_new_tokens,
                                max_prompt_tokens=args.max_prompt_tokens)
@@ -223,8 +223,22 @@ def medusa_accuracy(model, heads: MedusaHeads, hidden, targets) -> list[list[flo
     return (hits / counts.clamp(min=1)).tolist()
 
 
+def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """answer_features, computed once per data file and kept beside it (the base model is frozen)."""
+    from safetensors.torch import load_file, save_file
+
+    if path.is_file():
+        saved = load_file(path)
+        return saved["hidden"], saved["targets"]
+    hidden, targets = answer_features(model, records)
+    save_file({"hidden": hidden.contiguous(), "targets": targets.contiguous()}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return hidden, targets
+
+
 def train_medusa(model, training, held_out, args) -> tuple[dict, dict]:
-    hidden, targets = answer_features(model, training)
+    features = args.data.parent / f"{args.data.stem}-features"
+    hidden, targets = cached_answer_features(model, training, features.with_name(features.name + "-training.safetensors"))
     heads = MedusaHeads(model.config.hidden_size, args.heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(hidden) / args.batch_tokens)
@@ -236,7 +250,8 @@ def train_medusa(model, training, held_out, args) -> tuple[dict, dict]:
         return medusa_loss(model, heads, hidden[rows], targets[rows]), len(rows)
 
     run_steps(heads, optimizer, args.epochs * steps_per_epoch, step_loss, args)
-    accuracy = medusa_accuracy(model, heads, *answer_features(model, held_out))
+    held_out_features = cached_answer_features(model, held_out, features.with_name(features.name + "-held-out.safetensors"))
+    accuracy = medusa_accuracy(model, heads, *held_out_features)
     tensors = {name: p for name, p in heads.state_dict().items()}
     return tensors, {"heads": args.heads, "accuracy": accuracy}
 
@@ -248,7 +263,9 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
     saving a resume point every args.save_every steps (resumed when the same command runs again)."""
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
-    resume = args.out.with_suffix(".resume.pt")
+    from convert import cache_root
+
+    resume = cache_root() / "train" / f"{args.out.name}.resume.pt"
     step = 0
     if resume.is_file():
         state = torch.load(resume, weights_only=True)
@@ -284,7 +301,7 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
 def settings(args) -> dict:
     """The options that shape training: a resume point made with others is ignored."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss")}
+            if k not in ("save_every", "final_loss", "data")}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -321,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--heads", type=int, default=3, help="K: heads (distances 1..K)")
     medusa.add_argument("--batch-tokens", type=int, default=256, help="answer positions per step")
     medusa.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to 0)")
+    medusa.set_defaults(epochs=4)  # an epoch is a few minutes once the hidden states are cached
     return p
 
 

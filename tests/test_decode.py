@@ -157,6 +157,15 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
      ["epsilon"]),
     (["--method", "speculative", "--draft-model", "/nonexistent/draft"], ["does not exist"]),
     (["--method", "anpd", "--prompt", ""], ["empty"]),
+    (["--method", "ppd", "--tree-rows", "1"], ["--tree-rows", "at least 2"]),
+    (["--method", "medusa", "--static-tree"], ["--static-tree", "--method ppd"]),
+    (["--method", "anpd", "--tree-rows", "8"], ["--tree-rows", "--method medusa and ppd"]),
+    (["--method", "ppd", "--trained", "/nonexistent/ppd"], ["no ppd artifact", "train_prompt.py ppd"]),
+    (["--method", "medusa"], ["no medusa artifact at", "medusa-tiny", "train_prompt.py medusa"]),
+    (["--method", "ppd", "--trained", str(ROOT / "trained" / "ppd-SmolLM2-135M-Instruct")],
+     ["hidden_size 576", "this model has 32", "train_prompt.py ppd"]),  # the shipped one: SmolLM2's
+    (["--calibrate"], ["--calibrate", "vanilla"]),
+    (["--method", "anpd", "--calibrate"], ["--calibrate", "no --prompt"]),
 ])
 def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):
     base = ["--model", str(tiny_folder), "--raw"] + ([] if "--prompt" in argv else ["--prompt", "hi"])
@@ -263,3 +272,62 @@ def test_default_model_answers_coherently(capsys):
                              "--json")
     assert code == 0, err
     assert "Paris" in json.loads(out)["text"]
+
+
+def tiny_artifacts(folder, out):
+    """Medusa heads and PPD prompt tokens (random) made for the tiny checkpoint, as train_prompt.py
+    would save them."""
+    import artifacts
+    from drafters import MedusaHeads
+    from model import load_checkpoint
+
+    model = load_checkpoint(folder, torch.float32)
+    accuracy = [[0.4, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]]
+    heads = MedusaHeads(model.config.hidden_size, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    artifacts.save(out / "medusa", heads.state_dict(), {"kind": "medusa", "heads": 3, "accuracy": accuracy,
+                                                        "model": artifacts.model_fingerprint(model)})
+    embeddings = torch.randn(3, 2, model.config.hidden_size)
+    artifacts.save(out / "ppd", {"embeddings": embeddings}, {"kind": "ppd", "prompt_tokens": 3, "ensembles": 2,
+                                                             "accuracy": accuracy,
+                                                             "model": artifacts.model_fingerprint(model)})
+
+
+def test_learned_methods_run_greedy_and_sampling(capsys, tiny_folder, tmp_path):
+    tiny_artifacts(tiny_folder, tmp_path)
+    base = ["--model", str(tiny_folder), "--raw", "--prompt", "the dog", "--max-new-tokens", "12", "--json"]
+    code, out, err = run_cli(capsys, *base)
+    vanilla = json.loads(out)["token_ids"]
+    for method, extra in [("medusa", []), ("ppd", []), ("ppd", ["--static-tree", "--tree-rows", "12"])]:
+        trained = ["--method", method, "--trained", str(tmp_path / method), *extra]
+        code, out, err = run_cli(capsys, *base, *trained)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == vanilla
+        for acceptance in ["exact", "typical"]:
+            code, out, err = run_cli(capsys, *base, *trained, "--temperature", "0.7", "--acceptance", acceptance,
+                                     "--seed", "1")
+            assert code == 0, err
+            assert json.loads(out)["acceptance"] == acceptance
+    code, _, err = run_cli(capsys, *base, "--method", "ppd", "--trained", str(tmp_path / "ppd"), "--static-tree",
+                           "--tree-rows", "4")
+    assert_one_line_error(code, err, "--tree-rows 4", "at least 7")
+
+
+def test_calibrate_saves_this_machines_tree_size(capsys, tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tiny_artifacts(tiny_folder, tmp_path)
+    for method, trained in [("ppd", ["--trained", str(tmp_path / "ppd")]), ("anpd", [])]:
+        code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--method", method, *trained,
+                                 "--calibrate")
+        assert code == 0, err
+        table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+        assert len(table) >= 5
+        best = max(table, key=lambda line: float(line.split("|")[5].strip().rstrip("x")))
+        chosen = int(best.split("|")[1])
+        assert f"{chosen} inputs per pass" in err
+        saved = json.loads((tmp_path / "cache" / "calibration.json").read_text())
+        assert [entry[method]["rows"] for entry in saved.values()] == [chosen]
+        code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "hi", "--method", method,
+                                 *trained, "--max-new-tokens", "4")
+        assert code == 0 and f"{chosen} inputs per pass, as --calibrate chose" in err

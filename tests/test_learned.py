@@ -292,3 +292,30 @@ def test_artifacts_round_trip_and_refuse_another_model(tmp_path):
         artifacts.load(tmp_path / "ppd-tiny", "medusa", model)
     with pytest.raises(UserError, match="train_prompt.py"):
         artifacts.load(tmp_path / "missing", "ppd", model)
+
+
+def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """An interrupted run, run again, ends with exactly the weights of an uninterrupted one."""
+    import argparse
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = tiny_model(0)
+    record = self_distilled_record(model, 0)
+
+    def train(out, stop_at=None):
+        args = argparse.Namespace(out=tmp_path / out, save_every=2, lr=0.05, seed=0)
+        prompt_tokens = PromptTokens(train_prompt.initial_embeddings(model, 2, 1, seed=0).double())
+        optimizer = torch.optim.AdamW(prompt_tokens.parameters(), lr=args.lr)
+
+        def step_loss(step):
+            if step == stop_at:
+                raise KeyboardInterrupt
+            return train_prompt.ppd_loss(model, prompt_tokens, record, 8, torch.Generator().manual_seed(step)), 1
+
+        train_prompt.run_steps(prompt_tokens, optimizer, 6, step_loss, args)
+        return prompt_tokens.embeddings.detach()
+
+    straight = train("straight")
+    with pytest.raises(KeyboardInterrupt):
+        train("interrupted", stop_at=5)  # the resume point of step 4 was saved
+    assert torch.equal(train("interrupted"), straight)

@@ -18,9 +18,10 @@ from hypothesis import given, strategies as st
 import verify as verify_module
 from conftest import chi_square_p_value, random_hf_weights, random_model, tiny_hf_config
 from decode import generate
-from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, NGramDrafter, PromptDrafter, PromptTokens, TrieDrafter
 from model import LlamaConfig, build_model
 from sampling import Sampling, target_probs
+from tree import best_prompt_tree, best_sparse_tree
 
 VOCAB = 8
 LENGTH = 3  # generated tokens whose joint distribution is compared
@@ -80,16 +81,38 @@ def sampled_counts(model, prompt, drafter, runs=RUNS):
     return counts, accepted
 
 
+# top-k guesses: four at distance 1, then fewer; the accuracy table only shapes the sparse tree
+ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]]
+
+
+def medusa(model):
+    """Heads as Medusa starts them (ResBlocks zero, so every head guesses the next token's top-k),
+    plus noise so the heads differ."""
+    heads = MedusaHeads(model.config.hidden_size, 3).double()
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    return MedusaDrafter(model, heads, best_sparse_tree(ACCURACY, 9))
+
+
+def ppd(model):
+    embeddings = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                             dtype=torch.float64)
+    return PromptDrafter(model, PromptTokens(embeddings), best_prompt_tree(ACCURACY, 16, 3, 2))
+
+
 def drafters(model, other_draft):
     return {
         "anpd": lambda: NGramDrafter(n=3, k=3),
         "lookahead": lambda: TrieDrafter(decoding_length=6, branch_length=3),
         "speculative-self": lambda: DraftModelDrafter(model.first_layers(1), gamma=3),
         "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
+        "medusa": lambda: medusa(model),
+        "ppd": lambda: ppd(model),
     }
 
 
-@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other"])
+@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other", "medusa", "ppd"])
 def test_sampled_tokens_follow_the_model(model, prompt, other_draft, method):
     counts, accepted = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
     assert accepted > RUNS // 8  # guesses were accepted often, so the verifier was really tested
@@ -102,7 +125,7 @@ def test_vanilla_sampling_passes_the_same_test(model, prompt):
     assert chi_square_p_value(counts, exact_joint(model, prompt, SAMPLING, LENGTH)) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["anpd", "speculative-other"])
+@pytest.mark.parametrize("method", ["anpd", "speculative-other", "ppd"])
 def test_a_deliberately_wrong_rule_is_caught(model, prompt, other_draft, method, monkeypatch):
     """After a rejection, draw from p instead of the residual: guessed tokens come out too often."""
     monkeypatch.setattr(verify_module, "residual_after_rejection", lambda p, q: p)

@@ -1,0 +1,157 @@
+"""Hardware-aware tree size (PPD section 4.2, "Hardware-awareness", generalised to every tree method).
+
+A guess-and-verify step over n inputs yields tau(n) tokens and costs L(n), one forward pass over n
+inputs. tau(n) depends on the method and the text, not on the machine; L(n) depends on the machine
+and dtype only. The best size maximises tau(n) / L(n) (PPD's Speedup(n)):
+
+- L(n) is measured here: one forward pass over n new inputs after 256 cached tokens, the median of 3
+  interleaved rounds of the median of 5;
+- tau(n) for Medusa and PPD is predicted from the held-out accuracies saved with their trained
+  weights (1 + the expected accepted length of the best sparse tree of n inputs, tree.py);
+- tau(n) for ANPD and Lookahead, whose guesses come from the text itself, is measured by decoding a
+  few fixed prompts (below) with a guess budget of n - 1.
+
+`python decode.py --method M --calibrate` prints the table and saves the best n for this machine
+(CPU model and cores, or GPU name), device, dtype and model in the cache; decode.py then uses it
+when no size is given.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from kv_cache import KVCache
+
+ROWS = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
+CACHED = 256
+PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary, arithmetic
+    "What are three good habits for staying healthy while working from home?",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Summarize in two sentences: The city council met on Tuesday to discuss the new budget. After a "
+    "long debate, the council approved more money for parks and libraries, and less for road repairs.",
+    "Tom has 12 apples. He gives 5 to Anna and buys 8 more. How many apples does he have? Explain.",
+]
+NEW_TOKENS = 64
+
+
+def forward_latency(model, rows: int, cached: int = CACHED, reps: int = 5) -> float:
+    """Seconds for one forward pass over `rows` new inputs after `cached` tokens, logits included."""
+    cache = KVCache.for_model(model, capacity=cached + rows)
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        model(torch.randint(0, vocab, (1, cached), device=model.device),
+              positions=torch.arange(cached, device=model.device), cache=cache)
+        new = torch.randint(0, vocab, (1, rows), device=model.device)
+        positions = torch.arange(cached, cached + rows, device=model.device)
+
+        def step():
+            started = time.perf_counter()
+            model(new, positions=positions, cache=cache)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            cache.truncate(cached)
+            return time.perf_counter() - started
+        step()  # warm-up: the first pass at a new size allocates and picks kernels
+        return statistics.median(step() for _ in range(reps))
+
+
+def machine_key(model) -> str:
+    from artifacts import model_fingerprint
+
+    if model.device.type == "cuda":
+        where = torch.cuda.get_device_name(model.device)
+    else:
+        where = f"{cpu_name()} x{os.cpu_count()}"
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibration_file():
+    from convert import cache_root
+
+    return cache_root() / "calibration.json"
+
+
+def saved_rows(model, method: str) -> int | None:
+    """The tree size --calibrate chose for `method` on this machine, dtype and model (None: never)."""
+    path = calibration_file()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())[machine_key(model)][method]["rows"]
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
+    path = calibration_file()
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    saved.setdefault(machine_key(model), {})[method] = {"rows": rows, "table": table}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def measured_tau(model, tokenizer, make_drafter, rows: int, raw: bool = False) -> float:
+    """Tokens per forward pass (prefill excluded) over PROMPTS with a drafter for `rows` inputs."""
+    from decode import generate
+
+    tokens = passes = 0
+    room = min(NEW_TOKENS, model.config.max_positions // 2)  # a short context: half prompt, half answer
+    with torch.inference_mode():
+        drafter = make_drafter(rows)
+        for prompt in PROMPTS:
+            gen = generate(model, tokenizer.prompt_ids(prompt, raw=raw)[-room:], max_new_tokens=room,
+                           eos_ids=tokenizer.eos_ids, drafter=drafter)
+            tokens, passes = tokens + len(gen.token_ids) - 1, passes + gen.forward_passes - 1
+    return tokens / max(passes, 1)
+
+
+def latencies(model, sizes: list[int], rounds: int = 3) -> dict[int, float]:
+    """L(n) for each size: the median over `rounds` interleaved rounds (so a burst of load on a shared
+    machine hits every size alike) of forward_latency's median."""
+    runs = {n: [] for n in sizes}
+    for round_number in range(rounds):
+        for n in sizes:
+            runs[n].append(forward_latency(model, n))
+        print(f"\rmeasuring L(n): round {round_number + 1}/{rounds}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return {n: statistics.median(r) for n, r in runs.items()}
+
+
+def calibrate(model, method: str, tau_of_rows) -> tuple[int, list[dict]]:
+    """Measure L(n) for every n in ROWS (and L(1)), ask tau(n), pick the best tau(n) / L(n); print
+    the table as it goes."""
+    print(f"calibrating {method} on {machine_key(model)}", file=sys.stderr)
+    latency_of = latencies(model, [1] + ROWS)
+    one = latency_of[1]
+    print(f"L(1) = {one * 1000:.1f} ms", file=sys.stderr)
+    print("| n (inputs per pass) | L(n) ms | L(n)/L(1) | tau(n) | tau(n) L(1)/L(n) |\n|---|---|---|---|---|")
+    table = []
+    for rows in ROWS:
+        latency, tau = latency_of[rows], tau_of_rows(rows)
+        if tau is None:
+            continue
+        entry = {"rows": rows, "latency_ms": round(latency * 1000, 2), "tau": round(tau, 3),
+                 "predicted_speedup": round(tau * one / latency, 3)}
+        table.append(entry)
+        print(f"| {rows} | {entry['latency_ms']:.1f} | {latency / one:.2f} | {tau:.2f} | "
+              f"{entry['predicted_speedup']:.2f}x |", flush=True)
+    best = max(table, key=lambda e: e["predicted_speedup"])
+    return best["rows"], table
