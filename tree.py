@@ -263,9 +263,9 @@ class PromptTree:
 
     @property
     def rows(self) -> int:
-        """Inputs per forward pass: the root, the candidates and every prompt-token copy."""
-        state = next(iter(self.states.values()))
-        return 1 + len(state.spec) + sum(state.prompt_counts) * self.ensembles
+        """The most inputs a forward pass gets: the root, the candidates and every prompt-token copy
+        (a shallow state can hold fewer candidates than asked for: depth 1 has only so many ranks)."""
+        return max(1 + len(s.spec) + sum(s.prompt_counts) * self.ensembles for s in self.states.values())
 
 
 def allot_prompt_tokens(accuracy, spec, prompt_tokens: int, max_per_node: int,

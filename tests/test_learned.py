@@ -104,8 +104,9 @@ def test_prompt_tree_keeps_its_budget(accuracy, rows, m, ensembles, dynamic):
             best_prompt_tree(accuracy, rows, m, ensembles, dynamic)
         return
     tree = best_prompt_tree(accuracy, rows, m, ensembles, dynamic)
+    assert tree.rows <= rows
     for k, state in tree.states.items():
-        assert 1 + len(state.spec) + sum(state.prompt_counts) * ensembles <= rows
+        assert 1 + len(state.spec) + sum(state.prompt_counts) * ensembles <= tree.rows
         assert all(1 <= c <= m for c in state.prompt_counts)
         assert all(len(path) <= k for path in state.spec)  # k prompt tokens guess k distances
         assert dynamic or state.prompt_counts == [m] * (len(state.spec) + 1)
