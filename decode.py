@@ -13,7 +13,7 @@ new token, the *root*. Then, until --max-new-tokens, an end-of-sequence token or
     verdict = verify(tree, logits)                # accepted path + bonus token: greedy, or exact
                                                   # speculative sampling (verify.py)
     cache.keep(path)                              # K/V of the accepted nodes only, packed
-    drafter.observe(hidden states of path[-1])    # Medusa heads / PPD prompt tokens: next guesses
+    drafter.observe(path[-1]'s hidden state and prompt tokens' logits)   # Medusa / PPD: next guesses
     drafter.extend(verdict.tokens)                # n-gram / trie statistics learn the new tokens
 
 Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone. Draft-model
@@ -55,7 +55,7 @@ METHODS = {
 TREE_METHODS = ["anpd", "lookahead", "medusa", "ppd"]  # the methods whose guess budget --calibrate tunes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_DRAFT_LAYERS = 4
-DEFAULT_TREE_ROWS = 8  # medusa and ppd without --calibrate: best tau(n)/L(n) measured here (README)
+DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate: near the best tau(n)/L(n) of both here (README)
 
 
 @dataclass
@@ -94,10 +94,10 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
 
     drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + budget))
     try:
-        last_hidden = prefill(model, cache, prompt_ids, drafter)
+        logits = prefill(model, cache, prompt_ids, drafter)
         out.forward_passes, out.prefill_seconds = 1, now(model) - start
-        new_tokens = accept(out, [choose_token(model.logits(last_hidden), sampling, generator)], 0,
-                            max_new_tokens, budget, eos_ids, on_tokens)
+        new_tokens = accept(out, [choose_token(logits, sampling, generator)], 0, max_new_tokens, budget,
+                            eos_ids, on_tokens)
         clock = now(model)
         while True:
             drafter.extend(new_tokens)
@@ -110,13 +110,14 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
             clock = now(model)
             tree_start = cache.length
             hidden = score_tree(model, cache, tree, drafter.prompt_embeddings(tree))  # [N + P, D]
-            verdict = verify(tree, model.logits(hidden[:len(tree)]), sampling, generator, typical)
+            logits = model.logits(hidden)  # [N + P, V]: ONE LM-head product for guesses and prompt tokens
+            verdict = verify(tree, logits[:len(tree)], sampling, generator, typical)
             cache.keep(tree_start, verdict.path)  # the rejected guesses' (and prompt tokens') K/V go
             out.forward_passes += 1
             out.forward_seconds += now(model) - clock
             clock = now(model)
             last = verdict.path[-1]
-            drafter.observe(hidden[last], hidden[tree.prompt_rows(last)])
+            drafter.observe(hidden[last], logits[tree.prompt_rows(last)])
             out.draft_seconds += now(model) - clock
 
             out.draft_tokens_proposed += tree.draft_size
@@ -132,9 +133,9 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
 
 
 def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> torch.Tensor:
-    """The prompt's pass: its K/V into the cache; returns the last token's final hidden state [D]
-    (the first new token is chosen from its logits) after showing it to the drafter. PPD's drafter
-    hangs its prompt tokens on the last prompt token, so the first tree already has guesses."""
+    """The prompt's pass: its K/V into the cache; returns the last token's logits [V] (the first new
+    token is chosen from them) after showing its hidden state to the drafter. PPD's drafter hangs its
+    prompt tokens on the last prompt token, so the first tree already has guesses."""
     tree = drafter.prefill_tree(prompt_ids)
     if tree is None:  # the plain causal pass
         positions = torch.arange(len(prompt_ids), device=model.device)
@@ -144,8 +145,9 @@ def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> t
         hidden = score_tree(model, cache, tree, drafter.prompt_embeddings(tree))
         cache.truncate(len(prompt_ids))  # prompt tokens' K/V are never kept
     last = len(prompt_ids) - 1
-    drafter.observe(hidden[last], hidden[len(prompt_ids):])
-    return hidden[last]
+    logits = model.logits(hidden[last:])  # the last prompt token's, then its prompt tokens'
+    drafter.observe(hidden[last], logits[1:])
+    return logits[0]
 
 
 def score_tree(model, cache: KVCache, tree, prompt_embeddings=None) -> torch.Tensor:

@@ -9,8 +9,8 @@ chosen token; decode.py verifies it and tells the drafter which tokens were acce
 and, for the drafters that learn from the model's own states (Medusa, PPD):
 
     drafter.prompt_embeddings(tree) -> [P, D]     # inputs for the tree's prompt-token rows
-    drafter.observe(hidden, prompt_hidden)        # after each pass: final hidden states of the last
-                                                  # accepted node [D] and of its prompt tokens [P', D]
+    drafter.observe(hidden, prompt_logits)        # after each pass: the last accepted node's final
+                                                  # hidden state [D], its prompt tokens' logits [P', V]
 
 - `Drafter` itself proposes nothing: that is vanilla decoding.
 - `NGramDrafter`: ANPD (Ou et al. 2024, "Lossless Acceleration of Large Language Model via Adaptive
@@ -75,9 +75,9 @@ class Drafter:
         """Inputs for the tree's prompt-token rows (PPD), or None when it has none."""
         return None
 
-    def observe(self, hidden: torch.Tensor, prompt_hidden: torch.Tensor) -> None:
-        """After a pass, the final hidden states of the last accepted node [D] and of the prompt
-        tokens it carried [P', D] (see prompt_rows in tree.py)."""
+    def observe(self, hidden: torch.Tensor, prompt_logits: torch.Tensor) -> None:
+        """After a pass, the final hidden state of the last accepted node [D] and the logits of the
+        prompt tokens it carried [P', V] (see prompt_rows in tree.py)."""
 
     def end(self) -> None:
         pass
@@ -265,10 +265,10 @@ class PromptTokens(nn.Module):
         group = torch.tensor([g for _, _, g in slots], device=self.embeddings.device)
         return self.embeddings[distance, group]
 
-    def logits(self, prompt_hidden: torch.Tensor, lm_head) -> torch.Tensor:
-        """Final hidden states of k prompt tokens' copies [k * n, D] -> logits [k, V], averaged over
-        each prompt token's n EPTs (section 3.2; appendix B.6: averaging beats learned weights)."""
-        return lm_head(prompt_hidden).view(-1, self.ensembles, lm_head.weight.shape[0]).mean(1)
+    def ensemble_average(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of k prompt tokens' copies [k * n, V] -> [k, V], averaged over each prompt token's
+        n EPTs (section 3.2; appendix B.6: averaging beats learned weights)."""
+        return logits.view(-1, self.ensembles, logits.shape[-1]).mean(1)
 
 
 class TopKDrafter(Drafter):
@@ -292,7 +292,7 @@ class MedusaDrafter(TopKDrafter):
         self.model, self.heads, self.spec = model, heads.requires_grad_(False), spec
         self.max_draft_tokens = len(spec)
 
-    def observe(self, hidden, prompt_hidden):
+    def observe(self, hidden, prompt_logits):
         self.keep_top(self.heads(hidden, self.model.lm_head))
 
     def propose(self):
@@ -317,10 +317,10 @@ class PromptDrafter(TopKDrafter):
         return Tree(prompt_ids, list(range(-1, last)), prompt_counts=[0] * last + [self.prompt_tokens.count],
                     ensembles=self.prompt_tokens.ensembles)
 
-    def observe(self, hidden, prompt_hidden):
+    def observe(self, hidden, prompt_logits):
         self.candidates = []
-        if len(prompt_hidden):
-            self.keep_top(self.prompt_tokens.logits(prompt_hidden, self.model.lm_head))
+        if len(prompt_logits):
+            self.keep_top(self.prompt_tokens.ensemble_average(prompt_logits))
 
     def propose(self):
         ensembles = self.prompt_tokens.ensembles

@@ -128,7 +128,7 @@ def ppd_loss(model, prompt_tokens: PromptTokens, record, insertions: int, genera
     positions, mask, _ = insertion_layout(points, m, n, len(tokens))
     embeds = prompt_tokens.embeddings.expand(len(points), m, n, -1).reshape(1, -1, model.config.hidden_size)
     student = model.hidden_states(embeds=embeds, positions=positions, cache=prefix, mask=mask)[0]
-    student_logits = prompt_tokens.logits(student, model.lm_head).view(len(points), m, -1)  # [I, m, V]
+    student_logits = prompt_tokens.ensemble_average(model.logits(student)).view(len(points), m, -1)  # [I, m, V]
     with torch.no_grad():  # the teacher for prompt token i after t: the model's own distribution at t+i
         teacher_rows = torch.tensor(points)[:, None] + torch.arange(1, m + 1)[None]
         teacher = F.log_softmax(model.logits(hidden[teacher_rows]), dim=-1)  # [I, m, V]
@@ -153,7 +153,7 @@ def ppd_accuracy(model, prompt_tokens: PromptTokens, records, insertions: int) -
         embeds = prompt_tokens.embeddings.expand(len(points), m, prompt_tokens.ensembles, -1)
         hidden = model.hidden_states(embeds=embeds.reshape(1, -1, embeds.shape[-1]), positions=positions,
                                      cache=prefix, mask=mask)[0]
-        guesses = prompt_tokens.logits(hidden, model.lm_head).view(len(points), m, -1).topk(TOP_RANKS).indices
+        guesses = prompt_tokens.ensemble_average(model.logits(hidden)).view(len(points), m, -1).topk(TOP_RANKS).indices
         actual = torch.tensor(tokens)[torch.tensor(points)[:, None] + torch.arange(2, m + 2)[None]]  # [I, m]
         hits += (guesses == actual[..., None]).sum(0)
         total += len(points)
