@@ -320,3 +320,13 @@ def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train("interrupted", stop_at=5)  # the resume point of step 4 was saved
     assert torch.equal(train("interrupted"), straight)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["ppd", "--epochs", "0"], "--epochs"), (["medusa", "--lr", "0"], "--lr"),
+    (["ppd", "--records", "5"], "--records"), (["medusa", "--heads", "9"], "at most 7 heads"),
+])
+def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
+    assert train_prompt.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and fragment in err and "Traceback" not in err
