@@ -49,9 +49,10 @@ import torch
 
 import bench_data
 from convert import default_model_dir
-from artifacts import SHIPPED, load as load_artifact
-from calibrate import forward_latency, saved_rows
-from decode import DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, DTYPES, generate, learned_drafter
+from artifacts import load as load_artifact
+from calibrate import forward_latency
+from decode import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, DTYPES, calibrated_rows, generate, learned_drafter,
+                    shipped_artifact)
 from drafters import DraftModelDrafter, Drafter, NGramDrafter, TrieDrafter
 from errors import UserError
 from model import load_checkpoint
@@ -99,12 +100,12 @@ def make_drafters(names, model, args) -> dict:
 
 
 def learned(model, method, rows, static=False):
-    return learned_drafter(method, model, SHIPPED / f"{method}-{default_model_dir().name}", rows, static)
+    return learned_drafter(method, model, shipped_artifact(method, default_model_dir()), rows, static)
 
 
 def learned_rows(model, method, args) -> int:
     """--tree-rows, else what decode.py --calibrate chose on this machine, else decode.py's default."""
-    return args.tree_rows or saved_rows(model, method) or DEFAULT_TREE_ROWS
+    return args.tree_rows or calibrated_rows(model, method, DEFAULT_TREE_ROWS)
 
 
 def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
@@ -246,7 +247,7 @@ def bench_learned(args, tokenizer):
     dynamic sparse tree)."""
     model = load_checkpoint(default_model_dir(), torch.float32)
     model.prepare_tree_kernels()
-    metas = {m: load_artifact(SHIPPED / f"{m}-{default_model_dir().name}", m, model)[1] for m in ("medusa", "ppd")}
+    metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
     print("\n## trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
           "the next one; top-k = the right token among the k best guesses)")
     rows = []

@@ -121,7 +121,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
             out.draft_seconds += now(model) - clock
 
             out.draft_tokens_proposed += tree.draft_size
-            out.draft_rejections += bool(tree.children[verdict.path[-1]])
+            out.draft_rejections += bool(tree.children[last])
             new_tokens = accept(out, verdict.tokens, verdict.accepted_guesses, max_new_tokens,
                                 budget, eos_ids, on_tokens)
             clock = now(model)
@@ -319,17 +319,21 @@ def make_drafter(args, model, tokenizer) -> Drafter:
 
 def tree_rows(args, model) -> int:
     """Inputs per pass: the size option if given, else this machine's calibrated size, else the default."""
-    from calibrate import saved_rows
-
     name, default, root = SIZE_OPTIONS[args.method]
     if getattr(args, name) is not None:
         return getattr(args, name) + root
-    calibrated = saved_rows(model, calibration_name(args))
-    if calibrated is not None:
-        print(f"{args.method}: {calibrated} inputs per pass, as --calibrate chose for this machine",
-              file=sys.stderr)
-        return calibrated
-    return default + root
+    return calibrated_rows(model, calibration_name(args), default + root)
+
+
+def calibrated_rows(model, name: str, default: int) -> int:
+    """What --calibrate chose for `name` on this machine (said on stderr), else `default`."""
+    from calibrate import saved_rows
+
+    calibrated = saved_rows(model, name)
+    if calibrated is None:
+        return default
+    print(f"{name}: {calibrated} inputs per pass, as --calibrate chose for this machine", file=sys.stderr)
+    return calibrated
 
 
 def calibration_name(args) -> str:
@@ -374,11 +378,17 @@ def run_calibration(args, model, tokenizer) -> None:
 
 
 def trained_path(args) -> Path:
-    from artifacts import SHIPPED
     from convert import default_model_dir
 
     folder = args.model if args.model is not None else default_model_dir()
-    return args.trained if args.trained is not None else SHIPPED / f"{args.method}-{folder.name}"
+    return args.trained if args.trained is not None else shipped_artifact(args.method, folder)
+
+
+def shipped_artifact(method: str, model_folder: Path) -> Path:
+    """Where train_prompt.py saves, and decode.py looks for, `method`'s trained parts for a model."""
+    from artifacts import SHIPPED
+
+    return SHIPPED / f"{method}-{model_folder.name}"
 
 
 def learned_drafter(method: str, model, path: Path, rows: int, static: bool = False) -> Drafter:

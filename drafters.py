@@ -309,8 +309,8 @@ class PromptDrafter(TopKDrafter):
 
     def __init__(self, model, prompt_tokens: PromptTokens, tree):
         self.model, self.prompt_tokens, self.tree = model, prompt_tokens.requires_grad_(False), tree
-        all_prompt_rows = prompt_tokens.count * prompt_tokens.ensembles  # the prefill's, or the root's alone
-        self.max_draft_tokens = max(all_prompt_rows + 1, tree.rows) - 1
+        prefill_rows = prompt_tokens.count * prompt_tokens.ensembles  # after the prompt, in the prefill
+        self.max_draft_tokens = max(prefill_rows, tree.rows - 1)
 
     def prefill_tree(self, prompt_ids):
         last = len(prompt_ids) - 1
@@ -318,17 +318,13 @@ class PromptDrafter(TopKDrafter):
                     ensembles=self.prompt_tokens.ensembles)
 
     def observe(self, hidden, prompt_logits):
-        self.candidates = []
-        if len(prompt_logits):
-            self.keep_top(self.prompt_tokens.ensemble_average(prompt_logits))
+        # every node, and the prompt's last token, carries at least one prompt token: never empty
+        self.keep_top(self.prompt_tokens.ensemble_average(prompt_logits))
 
     def propose(self):
-        ensembles = self.prompt_tokens.ensembles
-        if not self.candidates:
-            return Tree([self.history[-1]], [-1], prompt_counts=[self.prompt_tokens.count],
-                        ensembles=ensembles)
         state = self.tree.states[len(self.candidates)]
-        return Tree.from_topk(self.history[-1], self.candidates, state.spec, state.prompt_counts, ensembles)
+        return Tree.from_topk(self.history[-1], self.candidates, state.spec, state.prompt_counts,
+                              self.prompt_tokens.ensembles)
 
     def prompt_embeddings(self, tree):
         slots = tree.prompt_slots()

@@ -115,20 +115,27 @@ def insertion_layout(points: list[int], count: int, ensembles: int, prefix_lengt
     return point + distance, torch.cat([sees_prefix, own], dim=1), distance
 
 
+def inserted_logits(model, prompt_tokens: PromptTokens, prefix: FrozenPrefix, points: list[int]) -> torch.Tensor:
+    """All m prompt tokens (n EPTs each) inserted after each of `points` of the sequence whose K/V
+    `prefix` holds, in one pass: their EPT-averaged logits [I, m, V]."""
+    m, n = prompt_tokens.count, prompt_tokens.ensembles
+    positions, mask, _ = insertion_layout(points, m, n, prefix.length)
+    embeds = prompt_tokens.embeddings.expand(len(points), m, n, -1).reshape(1, len(points) * m * n, -1)
+    hidden = model.hidden_states(embeds=embeds, positions=positions, cache=prefix, mask=mask)[0]  # [I*m*n, D]
+    return prompt_tokens.ensemble_average(model.logits(hidden)).view(len(points), m, -1)
+
+
 def ppd_loss(model, prompt_tokens: PromptTokens, record, insertions: int, generator) -> torch.Tensor:
     """Eq. 1 on one answer: prompt tokens inserted after `insertions` random answer positions."""
     tokens = sequence(record)
     hidden, prefix = base_pass(model, tokens)
-    m, n = prompt_tokens.count, prompt_tokens.ensembles
+    m = prompt_tokens.count
     usable = [t for t in answer_positions(record) if t + m < len(tokens)]  # teachers exist for all m
     if not usable:
         return None
     pick = torch.randperm(len(usable), generator=generator)[:insertions].sort().values
     points = [usable[i] for i in pick]
-    positions, mask, _ = insertion_layout(points, m, n, len(tokens))
-    embeds = prompt_tokens.embeddings.expand(len(points), m, n, -1).reshape(1, -1, model.config.hidden_size)
-    student = model.hidden_states(embeds=embeds, positions=positions, cache=prefix, mask=mask)[0]
-    student_logits = prompt_tokens.ensemble_average(model.logits(student)).view(len(points), m, -1)  # [I, m, V]
+    student_logits = inserted_logits(model, prompt_tokens, prefix, points)  # [I, m, V]
     with torch.no_grad():  # the teacher for prompt token i after t: the model's own distribution at t+i
         teacher_rows = torch.tensor(points)[:, None] + torch.arange(1, m + 1)[None]
         teacher = F.log_softmax(model.logits(hidden[teacher_rows]), dim=-1)  # [I, m, V]
@@ -149,11 +156,7 @@ def ppd_accuracy(model, prompt_tokens: PromptTokens, records, insertions: int) -
             continue
         points = usable[::max(1, len(usable) // insertions)]
         _, prefix = base_pass(model, tokens)
-        positions, mask, _ = insertion_layout(points, m, prompt_tokens.ensembles, len(tokens))
-        embeds = prompt_tokens.embeddings.expand(len(points), m, prompt_tokens.ensembles, -1)
-        hidden = model.hidden_states(embeds=embeds.reshape(1, -1, embeds.shape[-1]), positions=positions,
-                                     cache=prefix, mask=mask)[0]
-        guesses = prompt_tokens.ensemble_average(model.logits(hidden)).view(len(points), m, -1).topk(TOP_RANKS).indices
+        guesses = inserted_logits(model, prompt_tokens, prefix, points).topk(TOP_RANKS).indices  # [I, m, R]
         actual = torch.tensor(tokens)[torch.tensor(points)[:, None] + torch.arange(2, m + 2)[None]]  # [I, m]
         hits += (guesses == actual[..., None]).sum(0)
         total += len(points)
@@ -361,6 +364,7 @@ def main(argv=None) -> int:
     try:
         check(args)
         from convert import default_model_dir
+        from decode import shipped_artifact
         from model import load_checkpoint
         from tokenizer import Tokenizer
 
@@ -371,7 +375,7 @@ def main(argv=None) -> int:
         training, held_out = answers(model, tokenizer, folder, args)
         if args.command == "data":
             return 0
-        args.out = args.out or artifacts.SHIPPED / f"{args.command}-{folder.name}"
+        args.out = args.out or shipped_artifact(args.command, folder)
         started = time.perf_counter()
         train = train_ppd if args.command == "ppd" else train_medusa
         tensors, made = train(model, training, held_out, args)
