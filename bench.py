@@ -9,6 +9,7 @@
     python bench.py --methods anpd medusa ppd --categories chat   # the trained guessers next to ANPD
     python bench.py learned --categories chat   # Medusa vs PPD per tree budget, accuracy, parameters
     python bench.py latency             # vanilla tokens/s and L(T), ours next to transformers'
+    python bench.py apar                # APAR per MT-Bench category: threads, passes, cache, speed
 
 `methods` (the default) prints one table per category and dtype: for each method, tau (new tokens
 per forward pass, the prefill pass included), tokens/s over the whole generation (prefill
@@ -32,6 +33,14 @@ step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured
 (PPD Table 2's layout), then Medusa, PPD with the dynamic sparse tree and PPD with a static tree
 (every node carrying all prompt tokens: PPD Figure 8a) at each --budgets number of inputs per forward
 pass: tau predicted from the accuracies next to tau measured, speedup over vanilla in the same run.
+
+`apar` decodes MT-Bench first turns of each --mt-categories category twice: with the APAR model
+(the default model with the shipped adapter, apar.py) and with vanilla decoding of the base model,
+both greedy. Per category it prints APAR's generation threads per answer and share of answers that
+went parallel (APAR Tables 7-8), forward passes per answer and tokens per pass for both, the speedup in
+tokens/s (the paper's measure, since answers differ in length), max cached tokens and attended tokens
+per step against the flattened answer (Tables 1-2, 9-16), and a quality proxy: the base model's
+perplexity on each method's answers.
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -294,6 +303,98 @@ def bench_learned(args, tokenizer):
                  "output = vanilla"], rows), flush=True)
 
 
+# ---- APAR ----------------------------------------------------------------------------------------
+
+@dataclass
+class AparTally:
+    answers: int = 0
+    parallel: int = 0
+    threads: int = 0
+    vanilla_passes: int = 0
+    vanilla_tokens: int = 0
+    vanilla_seconds: float = 0.0
+    apar_passes: int = 0
+    apar_tokens: int = 0
+    apar_seconds: float = 0.0
+    max_cached: int = 0
+    flattened_max_cached: int = 0
+    attended: float = 0.0
+    flattened_attended: float = 0.0
+    vanilla_nll: list = None
+    apar_nll: list = None
+
+
+def answer_nll(model, prompt_ids, answer_ids) -> list[float]:
+    """The base model's negative log-likelihood of each answer token after the prompt."""
+    tokens = torch.tensor([prompt_ids + answer_ids])
+    logits, _ = model(tokens, positions=torch.arange(tokens.shape[1]))
+    predicted = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)
+    return (-predicted.gather(-1, torch.tensor(answer_ids)[:, None])[:, 0]).tolist()
+
+
+def bench_apar(args, tokenizer):
+    """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
+    import math
+
+    import apar
+
+    base = load_checkpoint(default_model_dir(), torch.float32)
+    tuned = load_checkpoint(default_model_dir(), torch.float32)
+    control = apar.load_apar_model(tuned, tokenizer, shipped_artifact("apar", default_model_dir()))
+    sampling, tallies = Sampling(), {}
+    for category in args.mt_categories:
+        texts = bench_data.chat_prompts([category])
+        texts = [texts[i * len(texts) // args.prompts] for i in range(min(args.prompts, len(texts)))]
+        t = tallies[category] = AparTally(vanilla_nll=[], apar_nll=[])
+        for number, text in enumerate(texts, 1):
+            prompt_ids = tokenizer.prompt_ids(text, raw=False)
+            vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
+            gen = apar.generate_apar(tuned, prompt_ids, control, max_new_tokens=args.new_tokens,
+                                     eos_ids=tokenizer.eos_ids, sampling=sampling)
+            stats = apar.statistics(gen, len(prompt_ids))
+            vanilla_answer = [i for i in vanilla.token_ids if i not in tokenizer.eos_ids]
+            t.answers += 1
+            t.parallel += stats["parallel"]
+            t.threads += stats["threads"]
+            t.vanilla_passes += vanilla.forward_passes
+            t.vanilla_tokens += len(vanilla.token_ids)
+            t.vanilla_seconds += vanilla.decode_seconds
+            t.apar_passes += gen.forward_passes
+            t.apar_tokens += len(gen.token_ids)
+            t.apar_seconds += gen.decode_seconds
+            t.max_cached += stats["max_cached_tokens"]
+            t.flattened_max_cached += stats["flattened_max_cached_tokens"]
+            t.attended += stats["attended_tokens"]
+            t.flattened_attended += stats["flattened_attended_tokens"]
+            t.vanilla_nll += answer_nll(base, prompt_ids, vanilla_answer) if vanilla_answer else []
+            t.apar_nll += answer_nll(base, prompt_ids, gen.token_ids) if gen.token_ids else []
+            print(f"  {category} {number}/{len(texts)}: {stats['threads']} threads, {gen.forward_passes} vs "
+                  f"{vanilla.forward_passes} passes", file=sys.stderr, flush=True)
+
+    def ppl(nll):
+        return f"{math.exp(sum(nll) / len(nll)):.1f}" if nll else "-"
+
+    def saved(apar_value, flat_value):
+        return f"{apar_value / t.answers:.0f} / {flat_value / t.answers:.0f} ({1 - apar_value / flat_value:.0%})"
+
+    rows = []
+    for category, t in tallies.items():
+        speed = (t.apar_tokens / t.apar_seconds) / (t.vanilla_tokens / t.vanilla_seconds)
+        rows.append([category, t.answers, f"{t.threads / t.answers:.1f}", f"{t.parallel / t.answers:.2f}",
+                     f"{t.vanilla_passes / t.answers:.0f} / {t.apar_passes / t.answers:.0f}",
+                     f"{t.vanilla_passes / t.apar_passes:.2f}x",
+                     f"{t.vanilla_tokens / t.vanilla_passes:.2f} / {t.apar_tokens / t.apar_passes:.2f}",
+                     f"{t.vanilla_tokens / t.answers:.0f} / {t.apar_tokens / t.answers:.0f}", f"{speed:.2f}x",
+                     saved(t.max_cached, t.flattened_max_cached), saved(t.attended, t.flattened_attended),
+                     f"{ppl(t.vanilla_nll)} / {ppl(t.apar_nll)}"])
+    print(f"\n## APAR (shipped adapter) vs vanilla decoding of the base model: MT-Bench first turns, greedy, "
+          f"up to {args.new_tokens} new tokens. a / b = vanilla / APAR, or APAR / flattened APAR answer")
+    print(table(["category", "answers", "threads (#T)", "parallel (%P)", "passes per answer",
+                 "fewer passes", "tokens per pass", "tokens per answer", "speedup (tokens/s)",
+                 "max cached: APAR / flat (saved)", "attended: APAR / flat (saved)",
+                 "base-model perplexity"], rows), flush=True)
+
+
 # ---- latency -------------------------------------------------------------------------------------
 
 def timed(fn) -> float:
@@ -383,9 +484,10 @@ def ratio(a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", nargs="?", default="methods", choices=["methods", "speculative", "learned", "latency"],
+    p.add_argument("what", nargs="?", default="methods",
+                   choices=["methods", "speculative", "learned", "latency", "apar"],
                    help="methods x categories; the draft-model method per gamma; Medusa vs PPD per tree "
-                        "budget; or vanilla speed and step latency")
+                        "budget; vanilla speed and step latency; or APAR against vanilla")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
@@ -410,6 +512,9 @@ def main(argv=None):
     g = p.add_argument_group("learned")
     g.add_argument("--budgets", nargs="+", type=int, default=[6, 8, 12, 16, 24],
                    help="inputs per forward pass to compare Medusa and PPD at")
+    g = p.add_argument_group("apar")
+    g.add_argument("--mt-categories", nargs="+", default=["humanities", "stem", "writing", "coding", "math"],
+                   choices=bench_data.MT_BENCH_CATEGORIES, help="MT-Bench categories, --prompts of each")
     g = p.add_argument_group("latency")
     g.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
     g.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
@@ -431,6 +536,8 @@ def main(argv=None):
                 bench_speculative(args, tokenizer)
             elif args.what == "learned":
                 bench_learned(args, tokenizer)
+            elif args.what == "apar":
+                bench_apar(args, tokenizer)
             else:
                 for name in args.dtypes:
                     bench_latency(name, args, tokenizer)

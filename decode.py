@@ -22,6 +22,9 @@ from a small model. Medusa's heads read the final hidden state of the last accep
 2024, section 2.1); PPD's prompt tokens are extra inputs of the same pass, appended to the tree's nodes
 (and to the prompt's last token in the prefill), whose own outputs are the next guesses (Chen et al.
 2024, Figure 2); their K/V are dropped with the rejected guesses'.
+
+APAR (Liu et al. 2024) is not a guesser: the fine-tuned model forks its own generation threads, so
+`--method apar` runs apar.py's engine instead of this loop.
 """
 
 import argparse
@@ -51,6 +54,9 @@ METHODS = {
               "top-k form a sparse tree",
     "ppd": "parallel prompt decoding: trained prompt tokens ride along in each forward pass and guess "
            "the next tokens; a dynamic sparse tree",
+    "apar": "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
+            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
+            "its threads. Its text is the fine-tuned model's, NOT the base model's",
 }
 TREE_METHODS = ["anpd", "lookahead", "medusa", "ppd"]  # the methods whose guess budget --calibrate tunes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -274,9 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "layers (then its final norm and LM head): self-speculative, no extra weights")
     spec.add_argument("--gamma", type=int, default=DraftModelDrafter.DEFAULT_GAMMA,
                       help="tokens the draft guesses per step")
-    learned = p.add_argument_group("medusa (Cai et al. 2024) and ppd (Chen et al. 2024)")
+    learned = p.add_argument_group("medusa (Cai et al. 2024), ppd (Chen et al. 2024) and apar (Liu et al. 2024)")
     learned.add_argument("--trained", type=Path, metavar="PATH",
-                         help="the trained heads / prompt tokens, PATH.safetensors + PATH.json, made by "
+                         help="the trained heads / prompt tokens / APAR adapter, PATH.safetensors + PATH.json, made by "
                               "train_prompt.py (default: trained/<method>-<model folder>, shipped for "
                               "the default model)")
     learned.add_argument("--tree-rows", type=int, metavar="N",
@@ -298,7 +304,8 @@ METHOD_OPTIONS = {
     "ngram_n": ["anpd"], "ngram_k": ["anpd"],
     "decoding_length": ["lookahead"], "branch_length": ["lookahead"], "lookahead_mode": ["lookahead"],
     "draft_model": ["speculative"], "draft_layers": ["speculative"], "gamma": ["speculative"],
-    "trained": ["medusa", "ppd"], "tree_rows": ["medusa", "ppd"], "static_tree": ["ppd"],
+    "trained": ["medusa", "ppd", "apar"], "tree_rows": ["medusa", "ppd"], "static_tree": ["ppd"],
+    "show_accepts": [m for m in METHODS if m != "apar"],  # apar accepts no guesses
 }
 
 
@@ -309,9 +316,13 @@ SIZE_OPTIONS = {"anpd": ("ngram_k", NGramDrafter.DEFAULT_K, 1),
 
 
 def make_drafter(args, model, tokenizer) -> Drafter:
-    """One drafter for the whole process: Lookahead's trie keeps learning across prompts."""
+    """One drafter for the whole process: Lookahead's trie keeps learning across prompts. For apar:
+    the model is made the APAR model and its control tokens are returned."""
     if args.method == "speculative":
         return DraftModelDrafter(load_draft(args, model, tokenizer), args.gamma)
+    if args.method == "apar":  # no drafter: the model itself changes; its control tokens go to the engine
+        from apar import load_apar_model
+        return load_apar_model(model, tokenizer, trained_path(args))
     if args.method in SIZE_OPTIONS:
         return sized_drafter(args, model, tree_rows(args, model))
     return Drafter()
@@ -427,8 +438,8 @@ def check_args(args, parser) -> None:
     if args.calibrate and (args.prompt is not None or args.prompt_file is not None):
         raise UserError("--calibrate measures on its own prompts and exits; give no --prompt/--prompt-file")
     if args.acceptance == "typical":
-        if args.method == "vanilla":
-            raise UserError("--acceptance typical needs a method that guesses (vanilla guesses nothing)")
+        if args.method in ("vanilla", "apar"):
+            raise UserError(f"--acceptance typical needs a method that guesses ({args.method} guesses nothing)")
         if args.temperature == 0:
             raise UserError("--acceptance typical applies to sampling (--temperature > 0); greedy "
                             "decoding always accepts exactly the model's own choices")
@@ -489,7 +500,7 @@ def load(args):
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
-    if args.method != "vanilla":
+    if args.method not in ("vanilla", "apar"):  # apar's weights change first (apar.load_apar_model)
         model.prepare_tree_kernels()
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -578,6 +589,8 @@ def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling,
     prompt_ids = tokenizer.prompt_ids(prompt, raw=args.raw)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     generator = torch.Generator(model.device).manual_seed(seed)
+    if args.method == "apar":
+        return run_apar_prompt(args, model, tokenizer, drafter, prompt_ids, sampling, generator, seed)
     printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts)
     gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
                    drafter=drafter, sampling=sampling, generator=generator,
@@ -591,6 +604,22 @@ def run_prompt(args, model, tokenizer, drafter, prompt: str, sampling: Sampling,
     else:
         printer.finish()
         print(summary_line(stats), file=sys.stderr, flush=True)
+
+
+def run_apar_prompt(args, model, tokenizer, control, prompt_ids, sampling, generator, seed) -> None:
+    """APAR writes its paragraphs out of order, so the restored text comes at the end, not streamed."""
+    import apar
+
+    gen = apar.generate_apar(model, prompt_ids, control, max_new_tokens=args.max_new_tokens,
+                             eos_ids=tokenizer.eos_ids, sampling=sampling, generator=generator)
+    stats = {"method": "apar", "prompt_tokens": len(prompt_ids), **apar.statistics(gen, len(prompt_ids)),
+             "temperature": args.temperature, "seed": seed if not sampling.greedy else None}
+    text = tokenizer.decode(gen.token_ids)
+    if args.json:
+        print(json.dumps(stats | {"text": text, "token_ids": gen.token_ids}, ensure_ascii=False), flush=True)
+    else:
+        print(text, flush=True)
+        print(apar.summary_line(stats), file=sys.stderr, flush=True)
 
 
 def interactive(args, model, tokenizer, drafter, sampling, typical):

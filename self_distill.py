@@ -64,13 +64,13 @@ def benchmark_ngrams() -> set[tuple[str, ...]]:
     return grams
 
 
-def training_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
-    """The first `count` ShareGPT first turns that are neither too short, too long, repeated, nor
-    overlapping a benchmark prompt. A fixed rule on a fixed file: the same list every time."""
+def training_prompts(count: int, tokenizer, max_prompt_tokens: int, wanted=lambda prompt: True) -> list[str]:
+    """The first `count` ShareGPT first turns that are `wanted` and neither too short, too long,
+    repeated, nor overlapping a benchmark prompt. A fixed rule on a fixed file: the same list every time."""
     banned, seen, chosen = benchmark_ngrams(), set(), []
     for prompt in sharegpt_first_turns():
         prompt = prompt.strip()
-        if len(prompt) < 16 or prompt in seen or word_ngrams(prompt) & banned:
+        if len(prompt) < 16 or prompt in seen or not wanted(prompt) or word_ngrams(prompt) & banned:
             continue
         if len(tokenizer.prompt_ids(prompt, raw=False)) > max_prompt_tokens:
             continue
@@ -114,11 +114,11 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     return answers
 
 
-def generate_answers(model, tokenizer, out_file: Path, *, count: int, max_new_tokens: int,
-                     max_prompt_tokens: int = 384, batch_size: int = 16) -> list[dict]:
-    """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per training prompt,
-    shortest prompt first. Returns all records."""
-    prompts = training_prompts(count, tokenizer, max_prompt_tokens)
+def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, max_new_tokens: int,
+                     batch_size: int = 16) -> list[dict]:
+    """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, shortest
+    prompt first. Returns all records."""
+    count = len(prompts)
     done = read_records(out_file)
     if len(done) >= count:
         return done[:count]

@@ -41,6 +41,10 @@ class Tokenizer:
         """Every token's string, by id: two tokenizers with equal vocabularies map text alike."""
         return [self.backend.id_to_token(i) for i in range(self.vocab_size)]
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the token spelled `token` ("<|im_end|>"), None if there is none."""
+        return self.backend.token_to_id(token)
+
     def special_token(self, name: str) -> str | None:
         """The string of a special token named in tokenizer_config.json ("bos_token", ...)."""
         value = self.config.get(name)

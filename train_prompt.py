@@ -3,8 +3,9 @@
     python train_prompt.py data      # the model's own answers to ShareGPT prompts (cached)
     python train_prompt.py ppd       # PPD prompt-token embeddings  -> trained/ppd-<model>.*
     python train_prompt.py medusa    # Medusa heads' ResBlocks      -> trained/medusa-<model>.*
+    python train_prompt.py apar      # APAR adapter + [Fork]/[Child] -> trained/apar-<model>.*
 
-The base model stays frozen in both; only the new parameters learn, from the model's own text
+The base model stays frozen; only the new parameters learn, from the model's own text
 (self_distill.py). Every run prints progress (loss, tokens/s, ETA), saves a resume point every few
 steps (run the same command again to continue), and ends by measuring on held-out answers how often
 the rank-r guess at distance d is right. Those accuracies are saved with the weights: decode.py builds
@@ -18,6 +19,12 @@ its sparse trees from them (tree.py) and bench.py prints them.
 - Medusa-1 (Cai et al. 2024, section 2.2.1): head k learns the token k+1 places ahead with
   L = sum_k lambda_k CE(p^(k)_t, y_{t+k+1}), lambda_k = 0.8^k (the base is frozen, so its final
   hidden states are computed once and cached beside the data).
+- APAR (Liu et al. 2024, sections 2.2 and 3.1): the model's own answers to half list-style prompts,
+  cut into paragraph trees (apar_data.py), are learned with the tree attention mask, the loss on
+  every token but the prompt and [Child]. The paper fine-tunes all weights; on 2 CPU cores this trains
+  a rank-8 LoRA update of every layer's attention projections plus the two control tokens' embedding
+  rows (tied to the LM head), about 0.6M parameters, so it fits in well under an hour and ships as a
+  few MB. APAR ends with held-out loss and how well [Fork] is placed instead of guess accuracies.
 """
 
 import argparse
@@ -29,8 +36,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import artifacts
+from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_linears, with_control_rows
+from apar_data import IGNORE, training_example
 from drafters import TOP_RANKS, MedusaHeads, PromptTokens
 from errors import UserError
 from kv_cache import KVCache
@@ -45,18 +55,21 @@ DECAY = 0.8  # alpha of PPD's eq. 1 (the paper gives no value) and lambda of Med
 def data_file(model, folder: Path, args) -> Path:
     from convert import cache_root
 
-    name = f"answers-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
+    kind = "apar" if args.command == "apar" else "answers"  # APAR asks other prompts, for longer answers
+    name = f"{kind}-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
     return cache_root() / "distill" / f"{folder.name}-{artifacts.model_fingerprint(model)['weights_sha256']}" / name
 
 
 def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     """(training, held-out) records {"prompt_ids", "answer_ids"}, generated once and cached."""
-    from self_distill import generate_answers
+    from apar_data import apar_prompts
+    from self_distill import generate_answers, training_prompts
 
     path = args.data = data_file(model, folder, args)
     print(f"self-distilled answers: {path}", file=sys.stderr)
-    records = generate_answers(model, tokenizer, path, count=args.records, max_new_tokens=args.max_new_tokens,
-                               max_prompt_tokens=args.max_prompt_tokens)
+    choose = apar_prompts if args.command == "apar" else training_prompts
+    prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
+    records = generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens)
     held_out = [r for i, r in enumerate(records) if i % VALIDATION_EVERY == 0]
     training = [r for i, r in enumerate(records) if i % VALIDATION_EVERY != 0]
     return training, held_out
@@ -169,7 +182,7 @@ def initial_embeddings(model, count: int, ensembles: int, seed: int) -> torch.Te
     return model.embed.weight[ids].detach().clone().float()
 
 
-def train_ppd(model, training, held_out, args) -> tuple[dict, dict]:
+def train_ppd(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     prompt_tokens = PromptTokens(initial_embeddings(model, args.prompt_tokens, args.ensembles, args.seed))
     optimizer = torch.optim.AdamW(prompt_tokens.parameters(), lr=args.lr, weight_decay=0.0)
     total_steps = args.epochs * len(training)
@@ -239,7 +252,7 @@ def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, to
     return hidden, targets
 
 
-def train_medusa(model, training, held_out, args) -> tuple[dict, dict]:
+def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     features = args.data.parent / f"{args.data.stem}-features"
     hidden, targets = cached_answer_features(model, training, features.with_name(features.name + "-training.safetensors"))
     heads = MedusaHeads(model.config.hidden_size, args.heads)
@@ -259,7 +272,111 @@ def train_medusa(model, training, held_out, args) -> tuple[dict, dict]:
     return tensors, {"heads": args.heads, "accuracy": accuracy}
 
 
-# ---- the loop both share ------------------------------------------------------------------------
+# ---- APAR ---------------------------------------------------------------------------------------
+
+class AparAdapter(nn.Module):
+    """What APAR fine-tuning changes: a rank-r update W + up @ down of each adapted Linear (LoRA, Hu
+    et al. 2021; `up` starts at zero, so training starts from the base model) and the [Fork] /
+    [Child] embedding rows. Forward hooks add the updates, so the base weights stay untouched."""
+
+    def __init__(self, model, control, rank: int, seed: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.names = list(adapted_linears(model))
+        self.down, self.up = nn.ParameterDict(), nn.ParameterDict()
+        for name, linear in adapted_linears(model).items():
+            out_features, in_features = linear.weight.shape
+            key = name.replace(".", "_")  # a ParameterDict key cannot hold dots
+            self.down[key] = nn.Parameter(torch.randn(rank, in_features, generator=generator) * in_features ** -0.5)
+            self.up[key] = nn.Parameter(torch.zeros(out_features, rank))
+        self.control = nn.Parameter(model.embed.weight[[control.fork, control.child]].detach().clone())
+
+    def attach(self, model) -> list:
+        """Hook the updates into the model's Linears; returns the handles (call .remove() on each)."""
+        def hook(key):
+            return lambda module, inputs, output: output + (inputs[0] @ self.down[key].T) @ self.up[key].T
+        return [linear.register_forward_hook(hook(name.replace(".", "_")))
+                for name, linear in adapted_linears(model).items()]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """As apar.apply_adapter reads them."""
+        made = {"control_embeddings": self.control}
+        for name in self.names:
+            key = name.replace(".", "_")
+            made |= {f"{name}.down": self.down[key], f"{name}.up": self.up[key]}
+        return made
+
+
+def apar_logits(model, adapter: AparAdapter, control, example) -> torch.Tensor:
+    """Logits [L, V] at the learned positions of a paragraph-tree example: the whole tree in one
+    pass, every token attending to its ancestors only (section 2.2, "Training attention")."""
+    if not model.config.tie_embeddings:
+        raise UserError("APAR training here supports tied embeddings only (the default model's)")
+    tree = example.tree
+    weight = with_control_rows(model.embed.weight, control, adapter.control)  # input and output rows
+    embeds = F.embedding(torch.tensor([tree.tokens]), weight)
+    hidden = model.hidden_states(embeds=embeds, positions=torch.tensor(tree.depths), mask=tree.ancestor_mask())
+    learned = torch.tensor(example.labels) != IGNORE
+    return F.linear(hidden[0, learned], weight)
+
+
+def learned_labels(example) -> torch.Tensor:
+    labels = torch.tensor(example.labels)
+    return labels[labels != IGNORE]
+
+
+def apar_examples(records, tokenizer, control) -> list:
+    """Paragraph-tree examples, structured and unstructured mixed 1:1 (section 3.2): the first
+    unstructured ones up to the number of structured ones."""
+    examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
+    structured = [e for e in examples if e.kind != "unstructured"]
+    unstructured = [e for e in examples if e.kind == "unstructured"][:max(len(structured), 1)]
+    return structured + unstructured
+
+
+@torch.no_grad()
+def apar_evaluation(model, adapter, control, examples) -> dict:
+    """Held-out loss, and how well [Fork] is placed when the model reads the true tree: precision
+    and recall of "argmax is [Fork]" against "the label is [Fork]"."""
+    losses, hits, predicted, actual = [], 0, 0, 0
+    for example in examples:
+        logits, labels = apar_logits(model, adapter, control, example), learned_labels(example)
+        losses.append(F.cross_entropy(logits, labels).item())
+        says_fork, is_fork = logits.argmax(-1) == control.fork, labels == control.fork
+        hits += int((says_fork & is_fork).sum())
+        predicted += int(says_fork.sum())
+        actual += int(is_fork.sum())
+    return {"held_out_loss": round(sum(losses) / max(len(losses), 1), 4),
+            "fork_precision": round(hits / max(predicted, 1), 3), "fork_recall": round(hits / max(actual, 1), 3)}
+
+
+def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
+    control = ControlTokens.of(tokenizer)
+    training, held_out = (apar_examples(r, tokenizer, control) for r in (training, held_out))
+    kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
+    print(f"APAR examples: {kinds} for training, {len(held_out)} held out", file=sys.stderr)
+    adapter = AparAdapter(model, control, args.rank, args.seed)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
+    handles = adapter.attach(model)
+
+    def step_loss(step):
+        epoch, index = divmod(step, len(training))
+        order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed + epoch))
+        example = training[order[index]]
+        labels = learned_labels(example)
+        return F.cross_entropy(apar_logits(model, adapter, control, example), labels), len(example.tree)
+
+    try:
+        run_steps(adapter, optimizer, args.epochs * len(training), step_loss, args)
+        evaluation = apar_evaluation(model, adapter, control, held_out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return adapter.tensors(), {"rank": args.rank, "adapted": list(ADAPTED_LINEARS), "examples": kinds,
+                               "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation}
+
+
+# ---- the loop they share ------------------------------------------------------------------------
 
 def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
     """Optimise with a cosine learning rate from args.lr to 0 (PPD section 5), printing progress and
@@ -314,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = OneLineErrorParser(prog="train_prompt.py", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa}")
+    commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa,apar}")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face Llama checkpoint folder "
                       "(default: the embedded SmolLM2-135M-Instruct)")
@@ -342,12 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--batch-tokens", type=int, default=256, help="answer positions per step")
     medusa.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to 0)")
     medusa.set_defaults(epochs=4)  # an epoch is a few minutes once the hidden states are cached
+    apar = commands.add_parser("apar", parents=[train], help="fine-tune for APAR: a low-rank adapter "
+                               "and the [Fork]/[Child] embeddings (its own data: half list-style prompts)",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    apar.add_argument("--rank", type=int, default=8, help="rank of the low-rank (LoRA) updates")
+    apar.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0)")
+    # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
+    apar.set_defaults(epochs=2, records=112, max_new_tokens=448, max_prompt_tokens=128)
     return p
 
 
 def check(args) -> None:
     positive = ["records", "max_new_tokens", "max_prompt_tokens", "epochs", "save_every", "prompt_tokens",
-                "ensembles", "insertions", "heads", "batch_tokens"]
+                "ensembles", "insertions", "heads", "batch_tokens", "rank"]
     for name in positive:
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -357,6 +481,14 @@ def check(args) -> None:
         raise UserError(f"--records must be at least {VALIDATION_EVERY} (every {VALIDATION_EVERY}th is held out)")
     if getattr(args, "heads", 1) > 7 or getattr(args, "prompt_tokens", 1) > TOP_RANKS:
         raise UserError("at most 7 heads / 10 prompt tokens")
+
+
+def outcome(made: dict) -> str:
+    if "accuracy" not in made:  # APAR
+        return (f"held-out loss {made['held_out_loss']}, [Fork] precision {made['fork_precision']} "
+                f"recall {made['fork_recall']}")
+    return "held-out top-1 accuracy by distance: " + ", ".join(
+        f"@{d + 1} {row[0]:.3f}" for d, row in enumerate(made["accuracy"]))
 
 
 def main(argv=None) -> int:
@@ -377,8 +509,8 @@ def main(argv=None) -> int:
             return 0
         args.out = args.out or shipped_artifact(args.command, folder)
         started = time.perf_counter()
-        train = train_ppd if args.command == "ppd" else train_medusa
-        tensors, made = train(model, training, held_out, args)
+        train = {"ppd": train_ppd, "medusa": train_medusa, "apar": train_apar}[args.command]
+        tensors, made = train(model, tokenizer, training, held_out, args)
         meta = {"kind": args.command, "model": artifacts.model_fingerprint(model), **made,
                 "trainable_parameters": sum(t.numel() for t in tensors.values()),
                 "training": {"command": "python train_prompt.py " + " ".join(argv or sys.argv[1:]),
@@ -388,8 +520,7 @@ def main(argv=None) -> int:
                              "final_loss": round(args.final_loss, 4),
                              "seconds": round(time.perf_counter() - started, 1)}}
         artifacts.save(args.out, tensors, meta)
-        print(f"saved {args.out}.safetensors and .json; held-out top-1 accuracy by distance: "
-              + ", ".join(f"@{d + 1} {row[0]:.3f}" for d, row in enumerate(made["accuracy"])), file=sys.stderr)
+        print(f"saved {args.out}.safetensors and .json; " + outcome(made), file=sys.stderr)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,334 @@
+"""APAR: auto-parallel auto-regressive decoding (Liu et al. 2024), the forking engine.
+
+    python decode.py --method apar --prompt "Give me five tips for learning a language."
+
+APAR changes the model: fine-tuned on paragraph trees (apar_data.py, train_prompt.py apar), it writes
+[Fork] after the first words of a point whose details could be written independently. The engine
+(Algorithm 1, section 2.3) then runs one *generation thread* per open paragraph, all in ONE forward
+pass per step:
+
+    group = {root thread}                           # a sequence group: one prompt, one paragraph tree
+    while a thread is unfinished:
+        feed every live thread's last token         # one pass; a token sees only its own ancestors
+        for each live thread s:
+            x = sample(s's logits)
+            if s's last token was [Fork]:           # fork(): s' shares s's prefix in the cache
+                s' = s + [Child]                    # the child writes the detail of the point
+                s's paragraph gets first_child = s'.paragraph, next_sibling = s.paragraph (new)
+            s.append(x)                             # s itself goes on with the next point
+            if x is EOS: s finishes; the cache slots only s used are released
+    answer = RESTORE(root)                          # root - first child - next sibling
+
+The output is therefore *not* the base model's. What holds exactly is the attention semantics: a
+thread's logits are those of its own sequence (prompt, the paragraphs it descends from, its own
+tokens) run alone through the model (tests/test_apar.py checks this in float64).
+
+Cache: a pool of slots (SlotCache). Every token fed takes a free slot; a fork copies nothing (the
+child's slot list starts as the parent's: prefix sharing, as with paged attention); a finished thread
+gives back the slots no live thread attends to. So the peak of slots in use is APAR's "max cached
+tokens" (section 3.4, Table 1), compared with the flattened answer decoded auto-regressively.
+
+Control tokens: the default model's tokenizer has no spare ids, so two special tokens the chat model
+never writes stand in for [Fork] and [Child] (FORK_TOKEN, CHILD_TOKEN). Their embedding rows (tied to
+the LM head) are retrained with the adapter (train_prompt.py apar); the vocabulary does not grow.
+"""
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from errors import UserError
+from kv_cache import KVCache
+from model import causal_mask
+from sampling import Sampling, choose_token
+
+FORK_TOKEN = "<jupyter_script>"  # [Fork]
+CHILD_TOKEN = "<empty_output>"  # [Child]
+
+
+@dataclass(frozen=True)
+class ControlTokens:
+    fork: int
+    child: int
+
+    @classmethod
+    def of(cls, tokenizer) -> "ControlTokens":
+        ids = [tokenizer.token_id(name) for name in (FORK_TOKEN, CHILD_TOKEN)]
+        if None in ids:
+            raise UserError(f"this tokenizer has no {FORK_TOKEN} / {CHILD_TOKEN} tokens, which APAR uses as "
+                            "[Fork] / [Child]; train an adapter for it with python train_prompt.py apar")
+        return cls(*ids)
+
+
+# ---- the paragraph tree -------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Paragraph:
+    """A paragraph node: the tokens one thread wrote between two forks (Algorithm 1's PNODE)."""
+    tokens: list[int] = field(default_factory=list)
+    first_child: "Paragraph | None" = None  # the detail written by the thread forked at its end
+    next_sibling: "Paragraph | None" = None  # what its own thread wrote after the fork
+
+
+def restore(root: Paragraph) -> list[int]:
+    """RESTORE: every paragraph's tokens in root - first child - next sibling order (depth first)."""
+    tokens, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        tokens += node.tokens
+        stack += [n for n in (node.next_sibling, node.first_child) if n is not None]  # child pops first
+    return tokens
+
+
+# ---- the cache: a pool of slots -----------------------------------------------------------------
+
+class SlotCache(KVCache):
+    """A KV cache whose slots are handed out one by one and given back when no thread needs them.
+
+    `allocate(n)` picks the n lowest free slots for the next forward pass; attention then runs over
+    slots [0, length), `length` being the highest slot ever used + 1, and each row's mask says which
+    of those it sees. `release` returns slots to the pool, to be reused by later tokens.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.free = list(range(self.capacity))  # a heap: the lowest slot first keeps `length` small
+        self.in_use = self.peak = 0
+        self.targets = None  # the slots the next forward pass writes
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self.free):
+            raise RuntimeError(f"KV cache full: {self.in_use} slots in use, {count} more needed, capacity {self.capacity}")
+        slots = [heapq.heappop(self.free) for _ in range(count)]
+        self.targets = torch.tensor(slots, device=self.keys.device)
+        self.length = max(self.length, max(slots) + 1)
+        self.in_use += count
+        self.peak = max(self.peak, self.in_use)
+        return slots
+
+    def release(self, slots) -> None:
+        for slot in slots:
+            heapq.heappush(self.free, slot)
+        self.in_use -= len(slots)
+
+    def reserve(self, count: int) -> None:
+        if self.targets is None or len(self.targets) != count:
+            raise RuntimeError("allocate() the slots of a forward pass before running it")
+
+    def write(self, layer: int, k, v):
+        self.keys[layer, :, :, self.targets] = k  # k, v: [B, K, T, E] into T scattered slots
+        self.values[layer, :, :, self.targets] = v
+        return self.keys[layer, :, :, :self.length], self.values[layer, :, :, :self.length]
+
+
+# ---- threads and the engine ---------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Thread:
+    """A generation thread: a sequence of the group (Algorithm 1's s). tokens[-1] is chosen but not
+    yet fed; slots[i] holds the K/V of tokens[i] for every token fed so far."""
+    tokens: list[int]
+    slots: list[int]
+    paragraph: Paragraph  # the leaf it writes into (s.current_node)
+    finished: bool = False
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self.paragraph.tokens.append(token)
+
+    def fork(self, child_token: int) -> "Thread":
+        """Algorithm 1, lines 20-29: the child shares everything this thread has (slots included,
+        nothing copied) plus a forced [Child]; both go on in new paragraph nodes."""
+        child = Thread(self.tokens + [child_token], list(self.slots), Paragraph([child_token]))
+        self.paragraph.first_child = child.paragraph
+        self.paragraph.next_sibling = Paragraph()
+        self.paragraph = self.paragraph.next_sibling
+        return child
+
+
+@dataclass
+class AparGeneration:
+    """What one prompt produced with APAR, and what it cost (section 3.4 and appendix D's measures)."""
+    token_ids: list[int] = field(default_factory=list)  # the restored answer, control tokens removed
+    stop_reason: str = ""  # "eos" (every thread ended), "max_new_tokens" or "context"
+    threads: int = 1  # generation threads in all (#T in Tables 7-8)
+    forward_passes: int = 0  # including the prefill
+    tokens_sampled: int = 0  # by all threads: the answer plus [Fork]s and EOSs
+    max_cached_tokens: int = 0  # peak K/V slots in use (prompt included)
+    attended_tokens: int = 0  # summed over every token fed after the prefill: the slots its row saw
+    tokens_fed: int = 0  # tokens fed after the prefill (threads x steps, [Child]s included)
+    decode_seconds: float = 0.0
+    kv_cache_bytes: int = 0
+
+
+def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_new_tokens: int,
+                  eos_ids: set[int], sampling: Sampling = Sampling(), generator=None,
+                  choose=None) -> AparGeneration:
+    """Decode one prompt with APAR. `choose(logits [V], thread) -> token` picks each thread's next
+    token (default: the sampling rule, never [Child], which only the engine writes); tests pass a
+    scripted one. At most `max_new_tokens` tokens are sampled over all threads."""
+    context = model.config.max_positions
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if len(prompt_ids) >= context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+    budget = min(max_new_tokens, context - len(prompt_ids))
+    choose = choose or default_chooser(control, sampling, generator)
+    # every sampled token and every forced [Child] (at most one per sampled [Fork]) takes a slot
+    cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget)
+    out = AparGeneration(kv_cache_bytes=cache.memory_bytes())
+    start = time.perf_counter()
+
+    root_paragraph = Paragraph()
+    root = Thread(list(prompt_ids), cache.allocate(len(prompt_ids)), root_paragraph)
+    positions = torch.arange(len(prompt_ids), device=model.device)
+    hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
+                                 cache=cache, mask=causal_mask(0, len(prompt_ids), model.device))  # slots 0..P-1
+    group = [root]
+    out.forward_passes = 1
+    root.append(choose(model.logits(hidden[0, -1]), root))
+    out.tokens_sampled = 1
+    finish_if_done(root, eos_ids, cache, group)
+    while not out.stop_reason:
+        live = [thread for thread in group if not thread.finished]
+        if not live:
+            out.stop_reason = "eos"
+            break
+        if max(len(t.tokens) for t in live) > context:  # a pending token's position is len - 1
+            out.stop_reason = "context"
+            break
+        logits = step(model, cache, live, out)  # [N, V]
+        for thread, row in zip(live, logits):
+            if out.tokens_sampled == budget:
+                out.stop_reason = "max_new_tokens"
+                break
+            token = choose(row, thread)
+            out.tokens_sampled += 1
+            if thread.tokens[-1] == control.fork:
+                group.append(thread.fork(control.child))
+            thread.append(token)
+            finish_if_done(thread, eos_ids, cache, group)
+    control_ids = {control.fork, control.child} | set(eos_ids)
+    out.token_ids = [t for t in restore(root_paragraph) if t not in control_ids]
+    out.threads = len(group)
+    out.max_cached_tokens = cache.peak
+    out.decode_seconds = time.perf_counter() - start
+    return out
+
+
+def step(model, cache: SlotCache, live: list[Thread], out: AparGeneration) -> torch.Tensor:
+    """ONE forward pass feeding every live thread's pending token; each row attends to its own
+    thread's slots only. Returns the logits [N, V]."""
+    for thread, slot in zip(live, cache.allocate(len(live))):
+        thread.slots.append(slot)
+    mask = torch.zeros(len(live), cache.length, dtype=torch.bool)  # [N, S]
+    for row, thread in enumerate(live):
+        mask[row, thread.slots] = True
+    tokens = torch.tensor([[thread.tokens[-1] for thread in live]], device=model.device)
+    positions = torch.tensor([len(thread.slots) - 1 for thread in live], device=model.device)
+    hidden = model.hidden_states(tokens, positions=positions, cache=cache, mask=mask.to(model.device))
+    out.forward_passes += 1
+    out.tokens_fed += len(live)
+    out.attended_tokens += sum(len(thread.slots) for thread in live)
+    return model.logits(hidden[0])
+
+
+def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: list[Thread]) -> None:
+    """A thread that wrote EOS ends (its EOS is never fed) and gives back the slots that no live
+    thread attends to: its own tokens since its last fork that has a live child (RELEASECACHE)."""
+    if thread.tokens[-1] not in eos_ids:
+        return
+    thread.finished = True
+    still_needed = {slot for other in group if not other.finished for slot in other.slots}
+    cache.release([slot for slot in thread.slots if slot not in still_needed])
+
+
+def default_chooser(control: ControlTokens, sampling: Sampling, generator):
+    """The sampling rule over every token but [Child]: only the engine writes [Child] (its embedding
+    is trained as an input, and tied to the LM head, so the model might otherwise pick it)."""
+    def choose(logits: torch.Tensor, thread: Thread) -> int:
+        logits = logits.clone()
+        logits[control.child] = float("-inf")
+        return choose_token(logits, sampling, generator)
+    return choose
+
+
+# ---- the fine-tuned model: base weights + the shipped adapter -----------------------------------
+
+ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
+
+
+def adapted_linears(model) -> dict[str, torch.nn.Module]:
+    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
+    modules = dict(model.named_modules())
+    return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
+            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
+
+
+def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding matrix [V, D] with the [Fork] and [Child] rows replaced by `rows` [2, D] (out of
+    place, so gradients reach `rows` when training)."""
+    ids = torch.tensor([control.fork, control.child], device=weight.device)
+    return weight.index_put((ids,), rows.to(weight.dtype))
+
+
+@torch.no_grad()
+def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
+    """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
+    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows
+    (tied to the LM head on the default model) set to their trained values."""
+    for name, linear in adapted_linears(model).items():
+        update = tensors[f"{name}.up"].float() @ tensors[f"{name}.down"].float()
+        linear.weight = torch.nn.Parameter((linear.weight.float() + update.to(linear.weight.device)).to(model.dtype),
+                                           requires_grad=False)
+    embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
+    model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    else:  # an untied model: the LM head's rows for the control tokens are trained too
+        model.lm_head.weight = torch.nn.Parameter(
+            with_control_rows(model.lm_head.weight, control, tensors["control_logits"]), requires_grad=False)
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+def statistics(gen: AparGeneration, prompt_length: int) -> dict:
+    """Appendix D's measures for one answer, and the same for its flattened form: the restored answer
+    decoded auto-regressively (every token cached until the end, every step attending to all of them)."""
+    new = len(gen.token_ids)
+    return {
+        "new_tokens": new,
+        "stop_reason": gen.stop_reason,
+        "threads": gen.threads,
+        "parallel": gen.threads > 1,
+        "forward_passes": gen.forward_passes,
+        "tokens_per_pass": round(new / gen.forward_passes, 4),
+        "tokens_sampled": gen.tokens_sampled,
+        "max_cached_tokens": gen.max_cached_tokens,
+        "flattened_max_cached_tokens": prompt_length + new,
+        "attended_tokens": round(gen.attended_tokens / max(gen.tokens_fed, 1), 2),
+        "flattened_attended_tokens": round(prompt_length + (new + 1) / 2, 2),
+        "decode_seconds": round(gen.decode_seconds, 4),
+        "tokens_per_second": round(new / gen.decode_seconds, 3),
+        "kv_cache_bytes": gen.kv_cache_bytes,
+    }
+
+
+def summary_line(stats: dict) -> str:
+    return (f"[apar: {stats['new_tokens']} new tokens ({stats['stop_reason']}), {stats['threads']} threads, "
+            f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass, "
+            f"max cached {stats['max_cached_tokens']} tokens (flattened {stats['flattened_max_cached_tokens']}), "
+            f"{stats['tokens_per_second']:.1f} tokens/s, {stats['decode_seconds']:.2f}s]")
+
+
+def load_apar_model(model, tokenizer, path) -> ControlTokens:
+    """Make `model` the APAR model with the adapter at `path` (made by train_prompt.py apar)."""
+    import artifacts
+
+    control = ControlTokens.of(tokenizer)
+    tensors, _ = artifacts.load(path, "apar", model)
+    apply_adapter(model, tensors, control)
+    model.prepare_tree_kernels()  # the threads of a step go through the model together
+    return control

@@ -1,0 +1,175 @@
+"""APAR's training data: answers cut into paragraph trees by the rules of Liu et al. 2024 (APAR,
+section 3.1 "Data Pre-processing" and appendix B), laid out as one sequence with a tree attention mask.
+
+An answer is read, in this order, as
+1. an *ordered list*: at least 3 numbered points "N. root: detail", each point's text at least 10
+   characters. The root ("2. Watering:") is written by the parent thread, the detail by a child.
+2. *paragraphs*: the answer split at blank lines; a paragraph of two or more sentences has its first
+   sentence as root and the rest as detail. Paragraphs of one sentence are not split.
+3. *unstructured*: code blocks, math, URLs, or neither of the above. Such an answer stays one
+   paragraph node with no fork, a negative example that teaches the model when not to fork.
+
+Paragraph tree (section 2.2): a node's *first child* is its detail, its *next sibling* is the next
+root. As threads (Algorithm 1), the parent writes root_1 [Fork] root_2 [Fork] ... then whatever text
+follows the list and EOS; the child forked after root_i writes [Child] detail_i EOS. Every token sees
+only its ancestors: detail_i sees the prompt and root_1..root_i, root_(i+1) sees root_1..root_i but
+no detail. [Child] is an input but never a target ("attended to but not taken loss"), so the model
+learns to *write* details when the engine injects it, and never to emit it.
+
+Training source (this project's choice, as for PPD/Medusa): the default model's own greedy answers to
+ShareGPT first turns, half of them list-style requests, with the benchmark's test prompts kept out
+(self_distill.py's 13-word rule).
+"""
+
+import re
+from dataclasses import dataclass
+
+from tree import Tree
+
+LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
+                        r"outline|features|strategies|suggest\w*|top \d+)\b", re.I)
+
+
+def looks_list_style(prompt: str) -> bool:
+    """A request whose answer is likely a list of points (the prompts half the data is drawn from)."""
+    return bool(LIST_STYLE.search(prompt))
+
+
+def apar_prompts(count: int, tokenizer, max_prompt_tokens: int, pool: int = 320) -> list[str]:
+    """The `count` shortest of `pool` ShareGPT prompts, half of which are list-style and half anything
+    else (which brings the code, math and prose answers that become negative examples). Short prompts
+    first because answering costs the same for every prompt of a batch: as long as its longest answer."""
+    from self_distill import training_prompts
+
+    lists = training_prompts(pool // 2, tokenizer, max_prompt_tokens, looks_list_style)
+    others = training_prompts(pool - pool // 2, tokenizer, max_prompt_tokens, lambda p: not looks_list_style(p))
+    return sorted(lists + others, key=lambda p: len(tokenizer.prompt_ids(p, raw=False)))[:count]
+
+
+# ---- structure: the text rules of appendix B ----------------------------------------------------
+
+NUMBERED_POINT = re.compile(r"^\d+\.\s+\S.*?:(?:\*\*)?", re.M)  # "2. Watering:" or "2. **Watering:**"
+UNSTRUCTURED = re.compile(r"```|https?://|www\.|\$|\\\(|\\\[|\d\s*[-+*/^=×÷]\s*\d")  # code, URLs, math
+FIRST_SENTENCE = re.compile(r"(?s)(.{10,}?[.!?])(?=\s+\S)")  # at least 10 characters, then more text
+MIN_POINTS, MIN_POINT_CHARS = 3, 10
+
+
+@dataclass
+class Point:
+    root: str  # the parent thread writes it, then [Fork]
+    detail: str  # the thread forked there writes it, then EOS
+
+
+@dataclass
+class Structure:
+    kind: str  # "list", "paragraphs" or "unstructured"
+    points: list[Point]
+    tail: str  # what the parent thread writes after its last [Fork] (everything, if unstructured)
+
+    def text(self) -> str:
+        """The answer again: roots and details in order, then the tail (what RESTORE yields)."""
+        return "".join(p.root + p.detail for p in self.points) + self.tail
+
+
+def structure(answer: str) -> Structure:
+    """Read an answer as an ordered list, else as paragraphs, else as unstructured (appendix B)."""
+    if UNSTRUCTURED.search(answer):
+        return Structure("unstructured", [], answer)
+    return ordered_list(answer) or paragraphs(answer) or Structure("unstructured", [], answer)
+
+
+def ordered_list(answer: str) -> Structure | None:
+    """At least 3 numbered points "N. root: detail", each detail at least 10 characters. A point
+    runs to the next point; the last one to the next blank line, after which comes the tail. Text
+    before the first point belongs to the first root."""
+    roots = list(NUMBERED_POINT.finditer(answer))
+    if len(roots) < MIN_POINTS:
+        return None
+    ends = [m.start() for m in roots[1:]]
+    last_end = answer.find("\n\n", roots[-1].end())
+    ends.append(len(answer) if last_end == -1 else last_end + 2)
+    points, start = [], 0
+    for match, end in zip(roots, ends):
+        detail = answer[match.end():end]
+        if len(detail.strip()) < MIN_POINT_CHARS:
+            return None
+        points.append(Point(answer[start:match.end()], detail))
+        start = end
+    return Structure("list", points, answer[ends[-1]:])
+
+
+def paragraphs(answer: str) -> Structure | None:
+    """Paragraphs (split at blank lines) of two or more sentences become root = first sentence,
+    detail = the rest; a one-sentence paragraph is not split and joins the next root (or the tail).
+    Needs at least two split paragraphs, so that two threads can run at once."""
+    pieces = re.split(r"(?<=\n\n)", answer)  # each paragraph keeps its trailing blank line
+    points, pending = [], ""
+    for piece in pieces:
+        first = FIRST_SENTENCE.match(piece)
+        if first is None:
+            pending += piece
+            continue
+        points.append(Point(pending + first.group(1), piece[first.end():]))
+        pending = ""
+    if len(points) < 2:
+        return None
+    return Structure("paragraphs", points, pending)
+
+
+# ---- layout: one sequence, a tree attention mask, and what each token must predict --------------
+
+IGNORE = -100  # no loss at this token (F.cross_entropy's ignore_index)
+
+
+@dataclass
+class TrainingExample:
+    tree: Tree  # prompt, then the threads' tokens; parents[i]: the token before i in its thread
+    labels: list[int]  # labels[i]: the token the model must write after node i, or IGNORE
+    kind: str  # the structure's kind
+
+
+class ThreadLayout:
+    """Builds the flattened tree: each thread is a chain hung under the token it forked from, and
+    each token's label is the next token of its own thread."""
+
+    def __init__(self):
+        self.tokens, self.parents, self.labels = [], [], []
+
+    def chain(self, after: int, ids: list[int], learn_first: bool = True) -> int:
+        """Hang `ids` as a chain under node `after` (-1: none); returns the chain's last node.
+        learn_first=False: the first token is injected, not written by the model ([Child])."""
+        for index, token in enumerate(ids):
+            if after >= 0 and (index > 0 or learn_first):
+                self.labels[after] = token
+            self.tokens.append(token)
+            self.parents.append(after)
+            self.labels.append(IGNORE)
+            after = len(self.tokens) - 1
+        return after
+
+    def end(self, node: int, eos: int) -> None:
+        """The thread ends after `node`: the model must write EOS there."""
+        self.labels[node] = eos
+
+
+def training_example(prompt_ids: list[int], answer_ids: list[int], tokenizer, control) -> TrainingExample:
+    """An answer as a paragraph tree ready for training. An answer cut off by the length limit (no
+    EOS) loses its last point, which may be unfinished, and its parent thread's end gets no label:
+    what would have come next is unknown."""
+    cut = not answer_ids or answer_ids[-1] not in tokenizer.eos_ids
+    eos = next(iter(sorted(tokenizer.eos_ids))) if cut else answer_ids[-1]
+    shape = structure(tokenizer.decode(answer_ids if cut else answer_ids[:-1]))
+    if cut and shape.points:
+        shape.points, shape.tail = shape.points[:-1], ""
+    layout = ThreadLayout()
+    node = layout.chain(-1, prompt_ids)
+    layout.labels[:] = [IGNORE] * len(layout.labels)  # the prompt is given, not learned
+    for point in shape.points:
+        node = layout.chain(node, tokenizer.encode(point.root) + [control.fork])
+        child = layout.chain(node, [control.child] + tokenizer.encode(point.detail), learn_first=False)
+        layout.end(child, eos)
+    if shape.tail:
+        node = layout.chain(node, tokenizer.encode(shape.tail))
+    if not cut:
+        layout.end(node, eos)
+    return TrainingExample(Tree(layout.tokens, layout.parents), layout.labels, shape.kind)
