@@ -305,94 +305,78 @@ def bench_learned(args, tokenizer):
 
 # ---- APAR ----------------------------------------------------------------------------------------
 
-@dataclass
-class AparTally:
-    answers: int = 0
-    parallel: int = 0
-    threads: int = 0
-    vanilla_passes: int = 0
-    vanilla_tokens: int = 0
-    vanilla_seconds: float = 0.0
-    apar_passes: int = 0
-    apar_tokens: int = 0
-    apar_seconds: float = 0.0
-    max_cached: int = 0
-    flattened_max_cached: int = 0
-    attended: float = 0.0
-    flattened_attended: float = 0.0
-    vanilla_nll: list = None
-    apar_nll: list = None
-
-
 def answer_nll(model, prompt_ids, answer_ids) -> list[float]:
     """The base model's negative log-likelihood of each answer token after the prompt."""
+    if not answer_ids:
+        return []
     tokens = torch.tensor([prompt_ids + answer_ids])
     logits, _ = model(tokens, positions=torch.arange(tokens.shape[1]))
     predicted = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)
     return (-predicted.gather(-1, torch.tensor(answer_ids)[:, None])[:, 0]).tolist()
 
 
+@dataclass
+class AparCategory:
+    """A category's results: both methods' totals (Tally), APAR's per-answer statistics, and the base
+    model's negative log-likelihoods of each method's answer tokens."""
+    vanilla: Tally
+    apar: Tally
+    stats: list  # apar.statistics(...) per answer
+    vanilla_nll: list
+    apar_nll: list
+
+    def total(self, key: str) -> float:
+        return sum(answer[key] for answer in self.stats)
+
+
 def bench_apar(args, tokenizer):
     """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
-    import math
-
     import apar
 
     base = load_checkpoint(default_model_dir(), torch.float32)
     tuned = load_checkpoint(default_model_dir(), torch.float32)
     control = apar.load_apar_model(tuned, tokenizer, shipped_artifact("apar", default_model_dir()))
-    sampling, tallies = Sampling(), {}
+    results = {}
     for category in args.mt_categories:
-        texts = bench_data.chat_prompts([category])
-        texts = [texts[i * len(texts) // args.prompts] for i in range(min(args.prompts, len(texts)))]
-        t = tallies[category] = AparTally(vanilla_nll=[], apar_nll=[])
+        texts = bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
+        c = results[category] = AparCategory(Tally(), Tally(), [], [], [])
         for number, text in enumerate(texts, 1):
             prompt_ids = tokenizer.prompt_ids(text, raw=False)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             gen = apar.generate_apar(tuned, prompt_ids, control, max_new_tokens=args.new_tokens,
-                                     eos_ids=tokenizer.eos_ids, sampling=sampling)
-            stats = apar.statistics(gen, len(prompt_ids))
-            vanilla_answer = [i for i in vanilla.token_ids if i not in tokenizer.eos_ids]
-            t.answers += 1
-            t.parallel += stats["parallel"]
-            t.threads += stats["threads"]
-            t.vanilla_passes += vanilla.forward_passes
-            t.vanilla_tokens += len(vanilla.token_ids)
-            t.vanilla_seconds += vanilla.decode_seconds
-            t.apar_passes += gen.forward_passes
-            t.apar_tokens += len(gen.token_ids)
-            t.apar_seconds += gen.decode_seconds
-            t.max_cached += stats["max_cached_tokens"]
-            t.flattened_max_cached += stats["flattened_max_cached_tokens"]
-            t.attended += stats["attended_tokens"]
-            t.flattened_attended += stats["flattened_attended_tokens"]
-            t.vanilla_nll += answer_nll(base, prompt_ids, vanilla_answer) if vanilla_answer else []
-            t.apar_nll += answer_nll(base, prompt_ids, gen.token_ids) if gen.token_ids else []
-            print(f"  {category} {number}/{len(texts)}: {stats['threads']} threads, {gen.forward_passes} vs "
+                                     eos_ids=tokenizer.eos_ids)
+            c.vanilla.add(vanilla.token_ids, vanilla.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
+            c.apar.add(gen.token_ids, gen.forward_passes, gen.decode_seconds, vanilla.token_ids)
+            c.stats.append(apar.statistics(gen, len(prompt_ids)))
+            c.vanilla_nll += answer_nll(base, prompt_ids, [i for i in vanilla.token_ids if i not in tokenizer.eos_ids])
+            c.apar_nll += answer_nll(base, prompt_ids, gen.token_ids)
+            print(f"  {category} {number}/{len(texts)}: {gen.threads} threads, {gen.forward_passes} vs "
                   f"{vanilla.forward_passes} passes", file=sys.stderr, flush=True)
-
-    def ppl(nll):
-        return f"{math.exp(sum(nll) / len(nll)):.1f}" if nll else "-"
-
-    def saved(apar_value, flat_value):
-        return f"{apar_value / t.answers:.0f} / {flat_value / t.answers:.0f} ({1 - apar_value / flat_value:.0%})"
-
-    rows = []
-    for category, t in tallies.items():
-        speed = (t.apar_tokens / t.apar_seconds) / (t.vanilla_tokens / t.vanilla_seconds)
-        rows.append([category, t.answers, f"{t.threads / t.answers:.1f}", f"{t.parallel / t.answers:.2f}",
-                     f"{t.vanilla_passes / t.answers:.0f} / {t.apar_passes / t.answers:.0f}",
-                     f"{t.vanilla_passes / t.apar_passes:.2f}x",
-                     f"{t.vanilla_tokens / t.vanilla_passes:.2f} / {t.apar_tokens / t.apar_passes:.2f}",
-                     f"{t.vanilla_tokens / t.answers:.0f} / {t.apar_tokens / t.answers:.0f}", f"{speed:.2f}x",
-                     saved(t.max_cached, t.flattened_max_cached), saved(t.attended, t.flattened_attended),
-                     f"{ppl(t.vanilla_nll)} / {ppl(t.apar_nll)}"])
     print(f"\n## APAR (shipped adapter) vs vanilla decoding of the base model: MT-Bench first turns, greedy, "
           f"up to {args.new_tokens} new tokens. a / b = vanilla / APAR, or APAR / flattened APAR answer")
     print(table(["category", "answers", "threads (#T)", "parallel (%P)", "passes per answer",
                  "fewer passes", "tokens per pass", "tokens per answer", "speedup (tokens/s)",
                  "max cached: APAR / flat (saved)", "attended: APAR / flat (saved)",
-                 "base-model perplexity"], rows), flush=True)
+                 "base-model perplexity"], [apar_row(category, c) for category, c in results.items()]), flush=True)
+
+
+def apar_row(category: str, c: AparCategory) -> list:
+    import math
+
+    v, a, n = c.vanilla, c.apar, c.vanilla.prompts
+
+    def ppl(nll):
+        return f"{math.exp(sum(nll) / len(nll)):.1f}" if nll else "-"
+
+    def saved(key):
+        ours, flat = c.total(key), c.total("flattened_" + key)
+        return f"{ours / n:.0f} / {flat / n:.0f} ({1 - ours / flat:.0%})"
+
+    return [category, n, f"{c.total('threads') / n:.1f}", f"{c.total('parallel') / n:.2f}",
+            f"{v.forward_passes / n:.0f} / {a.forward_passes / n:.0f}", f"{v.forward_passes / a.forward_passes:.2f}x",
+            f"{v.new_tokens / v.forward_passes:.2f} / {a.new_tokens / a.forward_passes:.2f}",
+            f"{v.new_tokens / n:.0f} / {a.new_tokens / n:.0f}", f"{speedup(a, v):.2f}x",
+            saved("max_cached_tokens"), saved("attended_tokens"), f"{ppl(c.vanilla_nll)} / {ppl(c.apar_nll)}"]
 
 
 # ---- latency -------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ def prompts(category: str, count: int | None = None) -> list[str]:
     """`count` prompts spread evenly over the set (all of them for None), always the same ones."""
     every = {"chat": chat_prompts, "code": code_prompts, "summarisation": summarisation_prompts,
              "math": math_prompts}[category]()
-    if count is None or count >= len(every):
-        return every
-    return [every[i * len(every) // count] for i in range(count)]
+    return every if count is None else spread(every, count)
+
+
+def spread(items: list, count: int) -> list:
+    """`count` of `items`, evenly spaced from the first (all of them if there are no more)."""
+    if count >= len(items):
+        return items
+    return [items[i * len(items) // count] for i in range(count)]
