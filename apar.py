@@ -275,21 +275,26 @@ def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.
 
 
 @torch.no_grad()
+def require_tied_embeddings(model) -> None:
+    """The trained [Fork]/[Child] rows serve as both input embeddings and LM-head rows, which needs
+    the two matrices to be one (as on the default model)."""
+    if not model.config.tie_embeddings:
+        raise UserError("APAR here supports models with tied embeddings only (the default model's): "
+                        "the trained [Fork]/[Child] rows are input and output rows at once")
+
+
 def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
     """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
-    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows
-    (tied to the LM head on the default model) set to their trained values."""
+    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
+    tied to the LM head, set to their trained values."""
+    require_tied_embeddings(model)
     for name, linear in adapted_linears(model).items():
         update = tensors[f"{name}.up"].float() @ tensors[f"{name}.down"].float()
         linear.weight = torch.nn.Parameter((linear.weight.float() + update.to(linear.weight.device)).to(model.dtype),
                                            requires_grad=False)
     embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
     model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
-    if model.config.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    else:  # an untied model: the LM head's rows for the control tokens are trained too
-        model.lm_head.weight = torch.nn.Parameter(
-            with_control_rows(model.lm_head.weight, control, tensors["control_logits"]), requires_grad=False)
+    model.lm_head.weight = model.embed.weight
 
 
 # ---- statistics ---------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import artifacts
-from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_linears, with_control_rows
+from apar import (ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_linears, require_tied_embeddings,
+                  with_control_rows)
 from apar_data import IGNORE, training_example
 from drafters import TOP_RANKS, MedusaHeads, PromptTokens
 from errors import UserError
@@ -307,22 +308,17 @@ class AparAdapter(nn.Module):
         return made
 
 
-def apar_logits(model, adapter: AparAdapter, control, example) -> torch.Tensor:
-    """Logits [L, V] at the learned positions of a paragraph-tree example: the whole tree in one
-    pass, every token attending to its ancestors only (section 2.2, "Training attention")."""
-    if not model.config.tie_embeddings:
-        raise UserError("APAR training here supports tied embeddings only (the default model's)")
+def apar_logits(model, adapter: AparAdapter, control, example) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [L, V] at the learned positions of a paragraph-tree example and their labels [L]: the
+    whole tree in one pass, every token attending to its ancestors only (section 2.2, "Training
+    attention")."""
     tree = example.tree
     weight = with_control_rows(model.embed.weight, control, adapter.control)  # input and output rows
     embeds = F.embedding(torch.tensor([tree.tokens]), weight)
     hidden = model.hidden_states(embeds=embeds, positions=torch.tensor(tree.depths), mask=tree.ancestor_mask())
-    learned = torch.tensor(example.labels) != IGNORE
-    return F.linear(hidden[0, learned], weight)
-
-
-def learned_labels(example) -> torch.Tensor:
     labels = torch.tensor(example.labels)
-    return labels[labels != IGNORE]
+    learned = labels != IGNORE
+    return F.linear(hidden[0, learned], weight), labels[learned]
 
 
 def apar_examples(records, tokenizer, control) -> list:
@@ -340,7 +336,7 @@ def apar_evaluation(model, adapter, control, examples) -> dict:
     and recall of "argmax is [Fork]" against "the label is [Fork]"."""
     losses, hits, predicted, actual = [], 0, 0, 0
     for example in examples:
-        logits, labels = apar_logits(model, adapter, control, example), learned_labels(example)
+        logits, labels = apar_logits(model, adapter, control, example)
         losses.append(F.cross_entropy(logits, labels).item())
         says_fork, is_fork = logits.argmax(-1) == control.fork, labels == control.fork
         hits += int((says_fork & is_fork).sum())
@@ -351,6 +347,7 @@ def apar_evaluation(model, adapter, control, examples) -> dict:
 
 
 def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
+    require_tied_embeddings(model)
     control = ControlTokens.of(tokenizer)
     training, held_out = (apar_examples(r, tokenizer, control) for r in (training, held_out))
     kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
@@ -363,8 +360,7 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
         epoch, index = divmod(step, len(training))
         order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed + epoch))
         example = training[order[index]]
-        labels = learned_labels(example)
-        return F.cross_entropy(apar_logits(model, adapter, control, example), labels), len(example.tree)
+        return F.cross_entropy(*apar_logits(model, adapter, control, example)), len(example.tree)
 
     try:
         run_steps(adapter, optimizer, args.epochs * len(training), step_loss, args)

@@ -49,7 +49,7 @@ class Script:
             return CONTROL.fork
         if draw < self.fork + self.stop and len(thread.paragraph.tokens) > 1:
             return EOS
-        return self.rng.choice([t for t in range(7, VOCAB)])
+        return self.rng.choice(range(7, VOCAB))
 
 
 @given(seed=st.integers(0, 3), script_seed=st.integers(0, 10**6), prompt_length=st.integers(1, 6))
@@ -128,7 +128,7 @@ def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
     # root: 10 [Fork] 11 [Fork] 12 ... ; each child writes two tokens then EOS
     def choose(logits, thread):
         own = thread.paragraph.tokens
-        if CONTROL.child in thread.tokens[-len(own):] or own[:1] == [CONTROL.child]:
+        if own[:1] == [CONTROL.child]:  # a child (children never fork here, so this is its only paragraph)
             return EOS if len(own) >= 3 else 30
         return CONTROL.fork if len(thread.tokens) % 2 == 0 else 10
 
@@ -308,3 +308,4 @@ def test_the_shipped_adapter_runs_on_the_default_model(capsys):
     assert stats["method"] == "apar" and stats["new_tokens"] > 0 and stats["text"].strip()
     assert stats["forward_passes"] >= 1 and stats["threads"] >= 1
     assert stats["max_cached_tokens"] <= stats["prompt_tokens"] + stats["tokens_sampled"] + stats["threads"]
+
