@@ -288,9 +288,10 @@ def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlToken
     (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
     tied to the LM head, set to their trained values."""
     require_tied_embeddings(model)
+    wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
     for name, linear in adapted_linears(model).items():
-        update = tensors[f"{name}.up"].float() @ tensors[f"{name}.down"].float()
-        linear.weight = torch.nn.Parameter((linear.weight.float() + update.to(linear.weight.device)).to(model.dtype),
+        update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
+        linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
                                            requires_grad=False)
     embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
     model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)

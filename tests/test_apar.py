@@ -309,3 +309,38 @@ def test_the_shipped_adapter_runs_on_the_default_model(capsys):
     assert stats["forward_passes"] >= 1 and stats["threads"] >= 1
     assert stats["max_cached_tokens"] <= stats["prompt_tokens"] + stats["tokens_sampled"] + stats["threads"]
 
+
+def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_did():
+    """A few steps of train_prompt.py's APAR loss on one hand-made tree lower it; then apply_adapter
+    (W += up @ down, control rows set) gives the logits the hooked training model gave."""
+    from apar import apply_adapter
+    from train_prompt import AparAdapter, apar_logits
+
+    tok = CharTokenizer()
+    model = random_model(tiny_hf_config(vocab=160, tied=True), seed=4)
+    model.requires_grad_(False)
+    example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third.\n")
+                               + [EOS], tok, CONTROL)
+    adapter = AparAdapter(model, CONTROL, rank=4, seed=0).double()
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
+    handles = adapter.attach(model)
+    losses = []
+    for _ in range(8):
+        loss = torch.nn.functional.cross_entropy(*apar_logits(model, adapter, CONTROL, example))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        trained, _ = apar_logits(model, adapter, CONTROL, example)
+    for handle in handles:
+        handle.remove()
+    assert losses[-1] < losses[0]
+
+    apply_adapter(model, {k: v.detach() for k, v in adapter.tensors().items()}, CONTROL)
+    tree = example.tree
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([tree.tokens]), positions=torch.tensor(tree.depths),
+                          mask=tree.ancestor_mask())
+    learned = torch.tensor(example.labels) != IGNORE
+    torch.testing.assert_close(logits[0, learned], trained, rtol=0, atol=1e-9)
