@@ -2,7 +2,7 @@
 
     python decode.py --method apar --prompt "Give me five tips for learning a language."
 
-APAR changes the model: fine-tuned on paragraph trees (apar_data.py, train_prompt.py apar), it writes
+APAR changes the model: fine-tuned on paragraph trees (apar_finetune.py, train_prompt.py apar), it writes
 [Fork] after the first words of a point whose details could be written independently. The engine
 (Algorithm 1, section 2.3) then runs one *generation thread* per open paragraph, all in ONE forward
 pass per step:
@@ -30,17 +30,21 @@ tokens" (section 3.4, Table 1), compared with the flattened answer decoded auto-
 
 Control tokens: the default model's tokenizer has no spare ids, so two special tokens the chat model
 never writes stand in for [Fork] and [Child] (FORK_TOKEN, CHILD_TOKEN). Their embedding rows (tied to
-the LM head) are retrained with the adapter (train_prompt.py apar); the vocabulary does not grow.
+the LM head) are retrained with the adapter; the vocabulary does not grow.
+
+Read in this order: `AparEngine` and `generate_apar` (Algorithm 1), `step` (one pass for every live
+thread), `Thread.fork`, `finish_if_done` (RELEASECACHE), `SlotCache`, `restore`. The fine-tuning
+that makes the model fork (data rules, the adapter, the loss) is apar_finetune.py.
 """
 
 import heapq
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from errors import UserError
 from kv_cache import KVCache
+from meter import Meter
 from model import causal_mask
 from sampling import Sampling, choose_token
 
@@ -163,6 +167,17 @@ class AparGeneration:
     kv_cache_bytes: int = 0
 
 
+@dataclass
+class AparEngine:
+    """The APAR model (the base model with the adapter merged, apar_finetune.load_apar_model) and its
+    control tokens: what `--method apar` runs instead of the guess-and-verify loop."""
+    model: torch.nn.Module
+    control: ControlTokens
+
+    def generate(self, prompt_ids: list[int], **options) -> "AparGeneration":
+        return generate_apar(self.model, prompt_ids, self.control, **options)
+
+
 def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_new_tokens: int,
                   eos_ids: set[int], sampling: Sampling = Sampling(), generator=None,
                   choose=None) -> AparGeneration:
@@ -178,47 +193,46 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
     choose = choose or default_chooser(control, sampling, generator)
     # every sampled token and every forced [Child] (at most one per sampled [Fork]) takes a slot
     cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget)
-    out = AparGeneration(kv_cache_bytes=cache.memory_bytes())
-    start = time.perf_counter()
+    meter = Meter(model.device)
 
     root_paragraph = Paragraph()
     root = Thread(list(prompt_ids), cache.allocate(len(prompt_ids)), root_paragraph)
     positions = torch.arange(len(prompt_ids), device=model.device)
     hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
                                  cache=cache, mask=causal_mask(0, len(prompt_ids), model.device))  # slots 0..P-1
+    meter.count(forward_passes=1)
     group = [root]
-    out.forward_passes = 1
     root.append(choose(model.logits(hidden[0, -1]), root))
-    out.tokens_sampled = 1
+    sampled, stop_reason = 1, ""  # tokens sampled over all threads
     finish_if_done(root, eos_ids, cache, group)
-    while not out.stop_reason:
+    while not stop_reason:
         live = [thread for thread in group if not thread.finished]
         if not live:
-            out.stop_reason = "eos"
+            stop_reason = "eos"
             break
         if max(len(t.tokens) for t in live) > context:  # a pending token's position is len - 1
-            out.stop_reason = "context"
+            stop_reason = "context"
             break
-        logits = step(model, cache, live, out)  # [N, V]
+        logits = step(model, cache, live, meter)  # [N, V]
         for thread, row in zip(live, logits):
-            if out.tokens_sampled == budget:
-                out.stop_reason = "max_new_tokens"
+            if sampled == budget:
+                stop_reason = "max_new_tokens"
                 break
             token = choose(row, thread)
-            out.tokens_sampled += 1
+            sampled += 1
             if thread.tokens[-1] == control.fork:
                 group.append(thread.fork(control.child))
             thread.append(token)
             finish_if_done(thread, eos_ids, cache, group)
     control_ids = {control.fork, control.child} | set(eos_ids)
-    out.token_ids = [t for t in restore(root_paragraph) if t not in control_ids]
-    out.threads = len(group)
-    out.max_cached_tokens = cache.peak
-    out.decode_seconds = time.perf_counter() - start
-    return out
+    return AparGeneration([t for t in restore(root_paragraph) if t not in control_ids], stop_reason,
+                          threads=len(group), forward_passes=meter.counts["forward_passes"],
+                          tokens_sampled=sampled, max_cached_tokens=cache.peak,
+                          attended_tokens=meter.counts["attended_tokens"], tokens_fed=meter.counts["tokens_fed"],
+                          decode_seconds=meter.elapsed(), kv_cache_bytes=cache.memory_bytes())
 
 
-def step(model, cache: SlotCache, live: list[Thread], out: AparGeneration) -> torch.Tensor:
+def step(model, cache: SlotCache, live: list[Thread], meter: Meter) -> torch.Tensor:
     """ONE forward pass feeding every live thread's pending token; each row attends to its own
     thread's slots only. Returns the logits [N, V]."""
     for thread, slot in zip(live, cache.allocate(len(live))):
@@ -226,12 +240,10 @@ def step(model, cache: SlotCache, live: list[Thread], out: AparGeneration) -> to
     mask = torch.zeros(len(live), cache.length, dtype=torch.bool)  # [N, S]
     for row, thread in enumerate(live):
         mask[row, thread.slots] = True
-    tokens = torch.tensor([[thread.tokens[-1] for thread in live]], device=model.device)
-    positions = torch.tensor([len(thread.slots) - 1 for thread in live], device=model.device)
+    tokens = torch.tensor([[thread.tokens[-1] for thread in live]], device=model.device)  # [1, N]
+    positions = torch.tensor([len(thread.slots) - 1 for thread in live], device=model.device)  # [N]
     hidden = model.hidden_states(tokens, positions=positions, cache=cache, mask=mask.to(model.device))
-    out.forward_passes += 1
-    out.tokens_fed += len(live)
-    out.attended_tokens += sum(len(thread.slots) for thread in live)
+    meter.count(forward_passes=1, tokens_fed=len(live), attended_tokens=sum(len(t.slots) for t in live))
     return model.logits(hidden[0])
 
 
@@ -253,49 +265,6 @@ def default_chooser(control: ControlTokens, sampling: Sampling, generator):
         logits[control.child] = float("-inf")
         return choose_token(logits, sampling, generator)
     return choose
-
-
-# ---- the fine-tuned model: base weights + the shipped adapter -----------------------------------
-
-ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
-
-
-def adapted_linears(model) -> dict[str, torch.nn.Module]:
-    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
-    modules = dict(model.named_modules())
-    return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
-            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
-
-
-def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
-    """The embedding matrix [V, D] with the [Fork] and [Child] rows replaced by `rows` [2, D] (out of
-    place, so gradients reach `rows` when training)."""
-    ids = torch.tensor([control.fork, control.child], device=weight.device)
-    return weight.index_put((ids,), rows.to(weight.dtype))
-
-
-@torch.no_grad()
-def require_tied_embeddings(model) -> None:
-    """The trained [Fork]/[Child] rows serve as both input embeddings and LM-head rows, which needs
-    the two matrices to be one (as on the default model)."""
-    if not model.config.tie_embeddings:
-        raise UserError("APAR here supports models with tied embeddings only (the default model's): "
-                        "the trained [Fork]/[Child] rows are input and output rows at once")
-
-
-def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
-    """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
-    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
-    tied to the LM head, set to their trained values."""
-    require_tied_embeddings(model)
-    wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
-    for name, linear in adapted_linears(model).items():
-        update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
-        linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
-                                           requires_grad=False)
-    embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
-    model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
-    model.lm_head.weight = model.embed.weight
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -327,14 +296,3 @@ def summary_line(stats: dict) -> str:
             f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass, "
             f"max cached {stats['max_cached_tokens']} tokens (flattened {stats['flattened_max_cached_tokens']}), "
             f"{stats['tokens_per_second']:.1f} tokens/s, {stats['decode_seconds']:.2f}s]")
-
-
-def load_apar_model(model, tokenizer, path) -> ControlTokens:
-    """Make `model` the APAR model with the adapter at `path` (made by train_prompt.py apar)."""
-    import artifacts
-
-    control = ControlTokens.of(tokenizer)
-    tensors, _ = artifacts.load(path, "apar", model)
-    apply_adapter(model, tensors, control)
-    model.prepare_tree_kernels()  # the threads of a step go through the model together
-    return control

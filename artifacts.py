@@ -1,5 +1,5 @@
-"""Trained parts (Medusa heads, PPD prompt embeddings) on disk: a small safetensors file of tensors
-and, beside it, a JSON file saying how they were made and for which model.
+"""Trained parts (Medusa heads, PPD soft tokens, APAR's adapter) on disk: a small safetensors file of
+tensors and, beside it, a JSON file saying how they were made and for which model.
 
 A learned guesser only means something for the model it was trained on, so every artifact records
 that model's fingerprint (its shape and a hash of some of its weights) and loading checks it: a
@@ -16,6 +16,11 @@ from safetensors.torch import load_file, save_file
 from errors import UserError
 
 SHIPPED = Path(__file__).resolve().parent / "trained"  # artifacts for the default model, in the repository
+
+
+def shipped_artifact(kind: str, model_folder: Path) -> Path:
+    """Where train_prompt.py saves, and decoding looks for, the `kind` artifact of a model's folder."""
+    return SHIPPED / f"{kind}-{model_folder.name}"
 
 
 def model_fingerprint(model) -> dict:

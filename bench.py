@@ -56,18 +56,19 @@ from dataclasses import dataclass
 
 import torch
 
+import apar
 import bench_data
-from convert import default_model_dir
-from artifacts import load as load_artifact
+from artifacts import load as load_artifact, shipped_artifact
 from calibrate import forward_latency
-from decode import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, DTYPES, calibrated_rows, generate, learned_drafter,
-                    shipped_artifact)
-from drafters import DraftModelDrafter, Drafter, NGramDrafter, TrieDrafter
-from errors import UserError
-from model import load_checkpoint
+from convert import default_model_dir
+from cpu_kernels import prepare_tree_kernels
+from decode import generate
+from drafters import DraftModelDrafter, Drafter, NGramDrafter
+from errors import TooFewRows, UserError
+from methods import DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, METHODS, build_drafter, default_options
+from model import DTYPES, load_checkpoint
 from sampling import Sampling
 from tokenizer import Tokenizer
-from tree import expected_accepted
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Write a Python function that checks whether a string is a palindrome.",
@@ -76,6 +77,12 @@ STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+VARIANTS = {  # --methods name -> (registered method, its options)
+    "anpd": ("anpd", {}), "lookahead": ("lookahead", {}),
+    "lookahead-parallel": ("lookahead", {"lookahead_mode": "parallel"}),
+    "speculative": ("speculative", {}), "medusa": ("medusa", {}), "ppd": ("ppd", {}),
+    "ppd-static": ("ppd", {"static_tree": True}),
+}
 
 
 # ---- methods x categories ------------------------------------------------------------------------
@@ -97,24 +104,12 @@ class Tally:
         self.prompts += 1
 
 
-def make_drafters(names, model, args) -> dict:
-    """One drafter per method for the whole run (Lookahead's trie carries over between prompts)."""
-    makers = {"anpd": NGramDrafter, "lookahead": TrieDrafter,
-              "lookahead-parallel": lambda: TrieDrafter(hierarchical=False),
-              "speculative": lambda: DraftModelDrafter(model.first_layers(args.draft_layers)),
-              "medusa": lambda: learned(model, "medusa", learned_rows(model, "medusa", args)),
-              "ppd": lambda: learned(model, "ppd", learned_rows(model, "ppd", args)),
-              "ppd-static": lambda: learned(model, "ppd", learned_rows(model, "ppd-static", args), static=True)}
-    return {name: makers[name]() for name in names}
-
-
-def learned(model, method, rows, static=False):
-    return learned_drafter(method, model, shipped_artifact(method, default_model_dir()), rows, static)
-
-
-def learned_rows(model, method, args) -> int:
-    """--tree-rows, else what decode.py --calibrate chose on this machine, else decode.py's default."""
-    return args.tree_rows or calibrated_rows(model, method, DEFAULT_TREE_ROWS)
+def variant_drafter(name, model, tokenizer, args, rows=None):
+    """The drafter `decode.py` would build for the --methods variant `name` (methods.py), with
+    bench.py's --tree-rows and --draft-layers; `rows` inputs per pass if given."""
+    method, options = VARIANTS[name]
+    options = default_options(tree_rows=args.tree_rows, draft_layers=args.draft_layers, **options)
+    return build_drafter(METHODS[method], options, model, tokenizer, rows)
 
 
 def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
@@ -157,10 +152,11 @@ def bench_methods(args, tokenizer):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name])
-        model.prepare_tree_kernels()
+        prepare_tree_kernels(model)
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
             dtype_name == "float32" and not args.skip_transformers and args.temperature == 0) else None
-        drafters = make_drafters(args.methods, model, args)
+        # one drafter per method for the whole run (Lookahead's trie carries over between prompts)
+        drafters = {name: variant_drafter(name, model, tokenizer, args) for name in args.methods}
         methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
         warm_up(model, peer, tokenizer)
         for category, texts in prompt_sets.items():
@@ -194,12 +190,12 @@ def print_category(dtype_name, category, tallies, args):
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
     print(f"\n## {category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}")
-    rows = []
+    lines = []
     for name, t in tallies.items():
-        rows.append([name, f"{t.new_tokens / t.forward_passes:.2f}", f"{t.new_tokens / t.seconds:.1f}",
+        lines.append([name, f"{t.new_tokens / t.forward_passes:.2f}", f"{t.new_tokens / t.seconds:.1f}",
                      f"{speedup(t, vanilla):.2f}x",
                      f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
-    print(table(["method", "tau (tokens/pass)", "tokens/s", "speedup", "output = vanilla"], rows), flush=True)
+    print(table(["method", "tau (tokens/pass)", "tokens/s", "speedup", "output = vanilla"], lines), flush=True)
 
 
 def speedup(t: Tally, vanilla: Tally) -> float:
@@ -211,7 +207,7 @@ def speedup(t: Tally, vanilla: Tally) -> float:
 
 def bench_speculative(args, tokenizer):
     model = load_checkpoint(default_model_dir(), torch.float32)
-    model.prepare_tree_kernels()
+    prepare_tree_kernels(model)
     draft = model.first_layers(args.draft_layers)
     step = {T: forward_latency(model, T, 256, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
     c = forward_latency(draft, 1, 256, args.reps) / step[1]
@@ -234,18 +230,18 @@ def bench_speculative(args, tokenizer):
     print(f"\n## speculative, draft = the model's first {args.draft_layers} layers: {len(prompts)} prompts "
           f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, {mode}; "
           f"c = draft step / target step = {c:.3f}")
-    rows = []
+    lines = []
     for gamma in args.gammas:
         t, (accepted, rejected) = tallies[gamma], counts[gamma]
         alpha = accepted / max(accepted + rejected, 1)
         expected_tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0
         per_verify = (t.new_tokens - t.prompts) / (t.forward_passes - t.prompts)  # prefill yields 1 token
-        rows.append([gamma, f"{alpha:.3f}", f"{per_verify:.2f}", f"{expected_tokens:.2f}",
+        lines.append([gamma, f"{alpha:.3f}", f"{per_verify:.2f}", f"{expected_tokens:.2f}",
                      f"{speedup(t, tallies['vanilla']):.2f}x", f"{expected_tokens / (gamma * c + 1):.2f}x",
                      f"{expected_tokens / (gamma * c + step[gamma + 1] / step[1]):.2f}x",
                      f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
     print(table(["gamma", "alpha", "tokens/verify pass", "expected", "measured speedup",
-                 "Leviathan expected", "expected with L(gamma+1)/L(1)", "output = vanilla"], rows), flush=True)
+                 "Leviathan expected", "expected with L(gamma+1)/L(1)", "output = vanilla"], lines), flush=True)
 
 
 # ---- Medusa vs PPD -------------------------------------------------------------------------------
@@ -255,33 +251,31 @@ def bench_learned(args, tokenizer):
     prediction accuracy of their trained parts (PPD Table 2's layout; PPD Figure 8a's static vs
     dynamic sparse tree)."""
     model = load_checkpoint(default_model_dir(), torch.float32)
-    model.prepare_tree_kernels()
+    prepare_tree_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
     print("\n## trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
           "the next one; top-k = the right token among the k best guesses)")
-    rows = []
+    lines = []
     for method, meta in metas.items():
         acc = meta["accuracy"]
         cells = [f"{sum(acc[d][:k]):.3f}" if d < len(acc) else "-" for d in range(3) for k in (1, 5)]
         params = meta["trainable_parameters"]
-        rows.append([method, f"{params:,}", f"{params * 4 / 1024:,.1f} KiB", *cells,
+        lines.append([method, f"{params:,}", f"{params * 4 / 1024:,.1f} KiB", *cells,
                      f"{meta['training']['seconds'] / 60:.1f} min"])
     print(table(["method", "trainable parameters", "extra memory (float32)", "@1 top-1", "@1 top-5",
-                 "@2 top-1", "@2 top-5", "@3 top-1", "@3 top-5", "training time"], rows), flush=True)
+                 "@2 top-1", "@2 top-5", "@3 top-1", "@3 top-5", "training time"], lines), flush=True)
 
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts)]
     warm_up(model, None, tokenizer)
-    variants = {(rows, name): maker for rows in args.budgets for name, maker in [
-        ("medusa", lambda r: learned(model, "medusa", r)), ("ppd dynamic", lambda r: learned(model, "ppd", r)),
-        ("ppd static", lambda r: learned(model, "ppd", r, static=True))]}
     drafters, tallies = {}, {"vanilla": Tally()}
-    for key, maker in variants.items():
-        try:
-            drafters[key] = maker(key[0])
-            tallies[key] = Tally()
-        except UserError:  # a budget too small for the static tree's prompt tokens
-            pass
+    for budget in args.budgets:
+        for label, variant in [("medusa", "medusa"), ("ppd dynamic", "ppd"), ("ppd static", "ppd-static")]:
+            try:
+                drafters[budget, label] = variant_drafter(variant, model, tokenizer, args, budget)
+                tallies[budget, label] = Tally()
+            except TooFewRows:  # a budget too small for the static tree's soft tokens
+                pass
     for number, prompt_ids in enumerate(prompts, 1):
         vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
         tallies["vanilla"].add(*vanilla, vanilla[0])
@@ -291,16 +285,15 @@ def bench_learned(args, tokenizer):
     print(f"\n## Medusa vs PPD per budget of inputs per forward pass: {len(prompts)} prompts "
           f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, greedy. tau per verify pass "
           "(prefill excluded), predicted from the held-out accuracies vs measured")
-    rows = []
+    lines = []
     for (budget, name), drafter in drafters.items():
         t = tallies[budget, name]
         per_verify = (t.new_tokens - t.prompts) / max(t.forward_passes - t.prompts, 1)
-        predicted = (drafter.tree.tokens_per_pass if hasattr(drafter, "tree")
-                     else 1 + expected_accepted(metas["medusa"]["accuracy"], drafter.spec))
-        rows.append([budget, name, f"{predicted:.2f}", f"{per_verify:.2f}", f"{t.new_tokens / t.seconds:.1f}",
-                     f"{speedup(t, tallies['vanilla']):.2f}x", f"{t.same_as_vanilla}/{t.prompts}"])
+        lines.append([budget, name, f"{drafter.predicted_tokens_per_pass:.2f}", f"{per_verify:.2f}",
+                      f"{t.new_tokens / t.seconds:.1f}", f"{speedup(t, tallies['vanilla']):.2f}x",
+                      f"{t.same_as_vanilla}/{t.prompts}"])
     print(table(["inputs per pass", "method", "predicted tau", "measured tau", "tokens/s", "speedup",
-                 "output = vanilla"], rows), flush=True)
+                 "output = vanilla"], lines), flush=True)
 
 
 # ---- APAR ----------------------------------------------------------------------------------------
@@ -331,11 +324,8 @@ class AparCategory:
 
 def bench_apar(args, tokenizer):
     """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
-    import apar
-
     base = load_checkpoint(default_model_dir(), torch.float32)
-    tuned = load_checkpoint(default_model_dir(), torch.float32)
-    control = apar.load_apar_model(tuned, tokenizer, shipped_artifact("apar", default_model_dir()))
+    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32), tokenizer)
     results = {}
     for category in args.mt_categories:
         texts = bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
@@ -343,8 +333,7 @@ def bench_apar(args, tokenizer):
         for number, text in enumerate(texts, 1):
             prompt_ids = tokenizer.prompt_ids(text, raw=False)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
-            gen = apar.generate_apar(tuned, prompt_ids, control, max_new_tokens=args.new_tokens,
-                                     eos_ids=tokenizer.eos_ids)
+            gen = engine.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             c.vanilla.add(vanilla.token_ids, vanilla.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
             c.apar.add(gen.token_ids, gen.forward_passes, gen.decode_seconds, vanilla.token_ids)
             c.stats.append(apar.statistics(gen, len(prompt_ids)))
@@ -413,9 +402,10 @@ def theirs_step_latency(hf_model, cached, T, reps) -> float:
     return statistics.median(timed(step) for _ in range(reps))
 
 
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+def table(header: list[str], lines: list[list]) -> str:
+    """A Markdown table."""
+    head = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(head + ["| " + " | ".join(str(c) for c in line) + " |" for line in lines])
 
 
 def bench_latency(name, args, tokenizer):
@@ -429,7 +419,7 @@ def bench_latency(name, args, tokenizer):
 
     print(f"\n## {name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s "
           f"(median of {args.rounds} rounds)", flush=True)
-    rows = []
+    lines = []
     ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels
     for prompt in LATENCY_PROMPTS:
         ids = tokenizer.prompt_ids(prompt, raw=False)
@@ -440,21 +430,21 @@ def bench_latency(name, args, tokenizer):
                 theirs_runs.append(theirs_tokens_per_second(theirs, ids, args.new_tokens))
         ours_tps = statistics.median(ours_runs)
         theirs_tps = statistics.median(theirs_runs) if theirs else None
-        rows.append([prompt[:40], f"{ours_tps:.1f}", fmt(theirs_tps), ratio(ours_tps, theirs_tps)])
+        lines.append([prompt[:40], f"{ours_tps:.1f}", fmt(theirs_tps), ratio(ours_tps, theirs_tps)])
         print(f"  {prompt[:40]!r}: ours {ours_tps:.1f}, transformers {fmt(theirs_tps)}", file=sys.stderr, flush=True)
-    print(table(["prompt", "ours tok/s", "transformers tok/s", "ours / transformers"], rows))
+    print(table(["prompt", "ours tok/s", "transformers tok/s", "ours / transformers"], lines))
 
     print(f"\n## {name}: step latency L(T) in ms (median of {args.reps}), T new tokens on a cache", flush=True)
-    rows = []
+    lines = []
     for cached in CACHED:
         for label, measure, model in [("ours", lambda m, c, T, r: forward_latency(m, T, c, r), ours), ("transformers", theirs_step_latency, theirs)]:
             if model is None:
                 continue
             latencies = {T: measure(model, cached, T, args.reps) * 1000 for T in STEP_SIZES}
-            rows.append([label, cached] + [f"{latencies[T]:.1f}" for T in STEP_SIZES]
+            lines.append([label, cached] + [f"{latencies[T]:.1f}" for T in STEP_SIZES]
                         + [f"{latencies[8] / latencies[1]:.2f}"])
             print(f"  {label} cached={cached} done", file=sys.stderr, flush=True)
-    print(table(["model", "cached"] + [f"L({T})" for T in STEP_SIZES] + ["L(8)/L(1)"], rows))
+    print(table(["model", "cached"] + [f"L({T})" for T in STEP_SIZES] + ["L(8)/L(1)"], lines))
 
 
 def fmt(value):

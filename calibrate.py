@@ -25,6 +25,10 @@ import time
 
 import torch
 
+from artifacts import model_fingerprint
+from convert import cache_root
+from decode import generate
+from errors import TooFewRows
 from kv_cache import KVCache
 
 ROWS = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
@@ -61,8 +65,6 @@ def forward_latency(model, rows: int, cached: int = CACHED, reps: int = 5) -> fl
 
 
 def machine_key(model) -> str:
-    from artifacts import model_fingerprint
-
     if model.device.type == "cuda":
         where = torch.cuda.get_device_name(model.device)
     else:
@@ -82,8 +84,6 @@ def cpu_name() -> str:
 
 
 def calibration_file():
-    from convert import cache_root
-
     return cache_root() / "calibration.json"
 
 
@@ -98,6 +98,15 @@ def saved_rows(model, method: str) -> int | None:
         return None
 
 
+def calibrated_rows(model, method: str, default: int) -> int:
+    """What --calibrate chose for `method` on this machine (said on stderr), else `default`."""
+    calibrated = saved_rows(model, method)
+    if calibrated is None:
+        return default
+    print(f"{method}: {calibrated} inputs per pass, as --calibrate chose for this machine", file=sys.stderr)
+    return calibrated
+
+
 def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
     path = calibration_file()
     saved = json.loads(path.read_text()) if path.is_file() else {}
@@ -108,14 +117,23 @@ def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
     tmp.replace(path)
 
 
-def measured_tau(model, tokenizer, make_drafter, rows: int, raw: bool = False) -> float:
-    """Tokens per forward pass (prefill excluded) over PROMPTS with a drafter for `rows` inputs."""
-    from decode import generate
+def tokens_per_pass(model, tokenizer, make_drafter, rows: int, raw: bool = False) -> float | None:
+    """tau(rows): predicted by the drafter when it can (Medusa, PPD), else measured over PROMPTS;
+    None when the method's smallest tree needs more rows."""
+    try:
+        drafter = make_drafter(rows)
+    except TooFewRows:
+        return None
+    if drafter.predicted_tokens_per_pass is not None:
+        return drafter.predicted_tokens_per_pass
+    return measured_tau(model, tokenizer, drafter, raw)
 
+
+def measured_tau(model, tokenizer, drafter, raw: bool = False) -> float:
+    """Tokens per forward pass (prefill excluded) over PROMPTS, decoded with `drafter`."""
     tokens = passes = 0
     room = min(NEW_TOKENS, model.config.max_positions // 2)  # a short context: half prompt, half answer
     with torch.inference_mode():
-        drafter = make_drafter(rows)
         for prompt in PROMPTS:
             gen = generate(model, tokenizer.prompt_ids(prompt, raw=raw)[-room:], max_new_tokens=room,
                            eos_ids=tokenizer.eos_ids, drafter=drafter)

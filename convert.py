@@ -7,7 +7,7 @@ permutation, and write a folder that `model.load_checkpoint` reads like any othe
 
     config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 
-Two details are easy to get wrong (see ../shared/DESIGN.md):
+Two details are easy to get wrong:
 - llama.cpp's converter reorders the rows of q_proj and k_proj so that each head's rotary pairs are
   interleaved (x0, x1), (x2, x3), ...; Hugging Face's RoPE rotates halves (x_i with x_{i+d/2}).
   Loading the GGUF rows unchanged gives fluent nonsense, so `unpermute_rotary_rows` undoes it.

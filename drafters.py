@@ -1,16 +1,16 @@
 """Drafters: where the guesses come from. Each one proposes a candidate tree rooted at the last
-chosen token; decode.py verifies it and tells the drafter which tokens were accepted.
+chosen token; decode.py scores it in one forward pass, verifies it and tells the drafter what came of it.
 
-    drafter.begin(request)      # a new request: its prompt, sampling settings and random generator
-    drafter.propose() -> Tree   # guesses after history[-1] (the root)
-    drafter.extend(new_tokens)  # the tokens the verifier accepted (guesses + the bonus token)
-    drafter.end()               # the request is over
+    drafter.begin(request)              # a new request: its prompt, sampling settings, random generator
+    drafter.propose() -> Tree           # guesses after history[-1] (the root)
+    drafter.extend(new_tokens)          # the tokens the pass added to the output: n-grams and tries
+                                        # learn from them
+    drafter.observe(hidden, soft_logits)   # the last accepted node's final hidden state [D] and its
+                                        # soft tokens' logits [S', V]: Medusa heads and PPD guess from them
+    drafter.end()                       # the request is over
 
-and, for the drafters that learn from the model's own states (Medusa, PPD):
-
-    drafter.prompt_embeddings(tree) -> [P, D]     # inputs for the tree's prompt-token rows
-    drafter.observe(hidden, prompt_logits)        # after each pass: the last accepted node's final
-                                                  # hidden state [D], its prompt tokens' logits [P', V]
+and, for a drafter that hangs soft tokens on the prompt (PPD), `prompt_tree(prompt_ids)`: the tree
+the prefill scores, so that the first proposal already has guesses.
 
 - `Drafter` itself proposes nothing: that is vanilla decoding.
 - `NGramDrafter`: ANPD (Ou et al. 2024, "Lossless Acceleration of Large Language Model via Adaptive
@@ -19,16 +19,13 @@ and, for the drafters that learn from the model's own states (Medusa, PPD):
   of K tokens (Algorithm 1, lines 11-16). Defaults N=5, K=7 (section 4.4).
 - `DraftModelDrafter`: speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
   Algorithm 2): a small draft model with its own KV cache samples a chain of gamma tokens.
-- `MedusaDrafter`: Medusa (Cai et al. 2024, section 2.1): K heads read the final hidden state of the
-  last accepted token and guess the tokens 1..K places after the next one; their top-k form a
-  sparse tree (section 2.1.2).
-- `PromptDrafter`: PPD (Chen et al. 2024, section 3): trained prompt-token embeddings ride along in
-  the verifying pass, appended to the tree's nodes, and guess the tokens after the accepted one; the
-  tree's shape depends on how many prompt tokens the accepted node carried (section 4).
 - `TrieDrafter`: Lookahead (Zhao et al. 2023, "Lookahead: An Inference Acceleration Framework for
   Large Language Model with Lossless Generation Accuracy"): a trie of token sequences from the prompt
   and from generated output (section 4.3.1), queried with multi-stage retrieval (section 4.3.2) for a
-  multi-branch draft, hierarchical or parallel (section 4.2). The trie outlives requests.
+  multi-branch draft, hierarchical or parallel (section 4.2). The trie outlives requests. (Not Fu et
+  al.'s Jacobi-iteration "Lookahead decoding", which is another method.)
+- `TopKDrafter`: the shared base of the learned guessers, whose guesses are the top-ranked tokens of
+  logits computed in the previous pass: Medusa heads (medusa.py) and PPD soft tokens (ppd.py).
 """
 
 import heapq
@@ -36,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from errors import UserError
 from kv_cache import KVCache
@@ -57,27 +53,25 @@ class Drafter:
     """The empty drafter: the tree is the root alone, so every pass yields one token (vanilla)."""
 
     max_draft_tokens = 0  # the most guessed nodes a proposal can hold (sizes the KV cache)
+    predicted_tokens_per_pass = None  # tau, when the drafter can predict it (learned guessers)
 
     def begin(self, request: Request) -> None:
         self.history = list(request.prompt_ids)
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        self.history.extend(tokens)
-
     def propose(self) -> Tree:
         return Tree.chain(self.history[-1], [])
 
-    def prefill_tree(self, prompt_ids: Sequence[int]) -> Tree | None:
-        """The prompt as a chain whose last token carries prompt tokens (PPD), or None: a plain pass."""
-        return None
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.history.extend(tokens)
 
-    def prompt_embeddings(self, tree: Tree) -> torch.Tensor | None:
-        """Inputs for the tree's prompt-token rows (PPD), or None when it has none."""
-        return None
-
-    def observe(self, hidden: torch.Tensor, prompt_logits: torch.Tensor) -> None:
+    def observe(self, hidden: torch.Tensor, soft_logits: torch.Tensor) -> None:
         """After a pass, the final hidden state of the last accepted node [D] and the logits of the
-        prompt tokens it carried [P', V] (see prompt_rows in tree.py)."""
+        soft tokens it carried [S', V] (see soft_rows in tree.py)."""
+
+    def prompt_tree(self, prompt_ids: Sequence[int]) -> Tree | None:
+        """The tree the prefill scores: None for the prompt as a plain causal sequence, or the prompt
+        as a chain whose last token carries soft tokens (PPD)."""
+        return None
 
     def end(self) -> None:
         pass
@@ -204,71 +198,9 @@ class DraftModelDrafter(Drafter):
         return Tree.chain(self.history[-1], guesses, draft_probs)
 
 
-# ---- learned guessers: Medusa heads and PPD prompt tokens ---------------------------------------
+# ---- learned guessers: the top-k of logits from the previous pass ------------------------------
 
 TOP_RANKS = 10  # candidates kept per distance; sparse trees rank them 0..9 (accuracy tables too)
-
-
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b), W and b zero at the start so the block begins as the identity (Medusa's
-    head body, section 2.1.1)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.linear = nn.Linear(size, size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x):
-        return x + nn.functional.silu(self.linear(x))
-
-
-class MedusaHeads(nn.Module):
-    """K Medusa heads. Head k (1-based) maps the final hidden state at position t to logits for the
-    token at t+k+1: p_t^(k) = softmax(LM_head(ResBlock_k(h_t))) (section 2.1.1).
-
-    Medusa gives each head its own copy of the LM head, initialised from it and trained. Here the
-    copy is the model's LM head itself, shared and frozen: a copy would be 28M parameters per head for
-    the default model (113 MB in float32), too big to ship and too slow to train on 2 CPU cores. So
-    head k starts as the model's own next-token guess, and its ResBlock learns to look further.
-    """
-
-    def __init__(self, hidden_size: int, count: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(count))
-
-    def forward(self, hidden: torch.Tensor, lm_head) -> torch.Tensor:
-        """hidden [..., D] -> logits [K, ..., V]: one LM-head product for all K heads (while decoding,
-        K rows cost about what one does)."""
-        return lm_head(torch.stack([block(hidden) for block in self.blocks]))
-
-
-class PromptTokens(nn.Module):
-    """PPD's only trained parameters: embeddings [m, n, D] of m prompt tokens (distances 1..m), each
-    in n ensemble copies (EPTs, section 3.2)."""
-
-    def __init__(self, embeddings: torch.Tensor):
-        super().__init__()
-        self.embeddings = nn.Parameter(embeddings)
-
-    @property
-    def count(self) -> int:
-        return self.embeddings.shape[0]
-
-    @property
-    def ensembles(self) -> int:
-        return self.embeddings.shape[1]
-
-    def for_slots(self, slots) -> torch.Tensor:
-        """[P, D] inputs for (node, distance, group) slots."""
-        distance = torch.tensor([d - 1 for _, d, _ in slots], device=self.embeddings.device)
-        group = torch.tensor([g for _, _, g in slots], device=self.embeddings.device)
-        return self.embeddings[distance, group]
-
-    def ensemble_average(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits of k prompt tokens' copies [k * n, V] -> [k, V], averaged over each prompt token's
-        n EPTs (section 3.2; appendix B.6: averaging beats learned weights)."""
-        return logits.view(-1, self.ensembles, logits.shape[-1]).mean(1)
 
 
 class TopKDrafter(Drafter):
@@ -282,53 +214,6 @@ class TopKDrafter(Drafter):
     def keep_top(self, logits: torch.Tensor) -> None:
         """logits [distances, V] -> the TOP_RANKS best tokens per distance."""
         self.candidates = logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices.tolist()
-
-
-class MedusaDrafter(TopKDrafter):
-    """Medusa: the heads' top-k along a fixed sparse tree `spec` (tree.best_sparse_tree of the heads'
-    measured accuracies)."""
-
-    def __init__(self, model, heads: MedusaHeads, spec: list[tuple]):
-        self.model, self.heads, self.spec = model, heads.requires_grad_(False), spec
-        self.max_draft_tokens = len(spec)
-
-    def observe(self, hidden, prompt_logits):
-        self.keep_top(self.heads(hidden, self.model.lm_head))
-
-    def propose(self):
-        if not self.candidates:
-            return super().propose()
-        return Tree.from_topk(self.history[-1], self.candidates, self.spec)
-
-
-class PromptDrafter(TopKDrafter):
-    """PPD: the prompt tokens carried by the last accepted node guessed `k` distances ahead, so the
-    next tree is the state T_k of the dynamic sparse tree (section 4, Figure 3), its nodes carrying
-    the prompt tokens the tree allots them. The prompt's last token carries all m, so the first tree
-    after the prefill already holds guesses."""
-
-    def __init__(self, model, prompt_tokens: PromptTokens, tree):
-        self.model, self.prompt_tokens, self.tree = model, prompt_tokens.requires_grad_(False), tree
-        prefill_rows = prompt_tokens.count * prompt_tokens.ensembles  # after the prompt, in the prefill
-        self.max_draft_tokens = max(prefill_rows, tree.rows - 1)
-
-    def prefill_tree(self, prompt_ids):
-        last = len(prompt_ids) - 1
-        return Tree(prompt_ids, list(range(-1, last)), prompt_counts=[0] * last + [self.prompt_tokens.count],
-                    ensembles=self.prompt_tokens.ensembles)
-
-    def observe(self, hidden, prompt_logits):
-        # every node, and the prompt's last token, carries at least one prompt token: never empty
-        self.keep_top(self.prompt_tokens.ensemble_average(prompt_logits))
-
-    def propose(self):
-        state = self.tree.states[len(self.candidates)]
-        return Tree.from_topk(self.history[-1], self.candidates, state.spec, state.prompt_counts,
-                              self.prompt_tokens.ensembles)
-
-    def prompt_embeddings(self, tree):
-        slots = tree.prompt_slots()
-        return self.prompt_tokens.for_slots(slots) if slots else None
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------

@@ -23,9 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
+from cpu_kernels import Linear  # nn.Linear, with faster CPU kernels for decoding's few rows
 from errors import UserError
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # --dtype
 
 
 @dataclass(frozen=True)
@@ -138,60 +144,6 @@ def apply_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-class Linear(nn.Linear):
-    """y = x W^T, with CPU kernels picked for decoding's few rows of x (float32 only).
-
-    Decoding multiplies a handful of token vectors by each weight matrix, so it should cost about
-    as much as reading the weights once, whatever the handful. PyTorch's stock CPU GEMM (MKL) does
-    not manage that on an AVX2 machine. Measured on 2 AMD EPYC cores (README, "Speed"):
-    - 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all
-      multiplied by x in one `torch.bmm`, keeping each block in cache: 30 layers' matrices in 17 ms
-      (F.linear: 28 ms);
-    - 2-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once
-      for it (`mkldnn._reorder_linear_weight`; made by `Llama.prepare_tree_kernels` or on first
-      use): 30 ms for 8 rows, 44 for 16 (blocked bmm: 37 / 48; F.linear: 46 / 58). In the whole
-      model this beat blocked bmm already at 2-4 rows (a step over 2 tokens: 50 vs 62 ms). It costs
-      a second copy of the weights in memory.
-    Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
-    """
-
-    BLOCK_ROWS = 64
-    MAX_BLOCKED_ROWS = 1
-    MAX_PACKED_ROWS = 64
-
-    def forward(self, x):
-        rows = x.numel() // x.shape[-1]
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_PACKED_ROWS
-                or x.requires_grad):  # training (train_prompt.py) needs kernels autograd knows
-            return F.linear(x, self.weight)
-        if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
-            return self.blocked_matmul(x, rows)
-        packed = self.onednn_weight()
-        if packed is None:
-            return F.linear(x, self.weight)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, None, "none", [], "")
-        return y.view(*x.shape[:-1], -1)
-
-    def blocked_matmul(self, x, rows):
-        out_features, in_features = self.weight.shape
-        blocks = self.weight.view(-1, self.BLOCK_ROWS, in_features)  # [O/64, 64, I]
-        x_columns = x.reshape(rows, in_features).T.expand(len(blocks), in_features, rows)
-        y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
-        return y.view(out_features, rows).T.reshape(*x.shape[:-1], out_features)
-
-    def onednn_weight(self):
-        """W re-laid out for oneDNN, made once and remade if W changes (None without oneDNN)."""
-        if not torch.backends.mkldnn.is_available():
-            return None
-        weight = self.weight
-        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # inference tensors
-        # (loaded under torch.inference_mode) cannot change in place, so they need no version
-        if getattr(self, "_onednn_key", None) != key:
-            self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-            self._onednn_key = key
-        return self._onednn_weight
 
 
 class Attention(nn.Module):
@@ -317,14 +269,6 @@ class Llama(nn.Module):
         draft.inv_freq = self.inv_freq
         return draft.eval()
 
-    def prepare_tree_kernels(self) -> None:
-        """Lay out the weights for multi-row CPU matmuls now rather than on the first tree pass
-        (about half a second for the default model), so that pass's timing is not skewed."""
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.onednn_weight()
-
     def logits_after(self, tokens: list[int], cache) -> torch.Tensor:
         """Feed `tokens`, which follow what `cache` holds (positions cache.length onwards, causal
         attention), into the cache; return the logits [V] after the last of them. A prompt's prefill
@@ -392,9 +336,6 @@ def read_config(folder: Path) -> dict:
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

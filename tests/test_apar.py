@@ -1,30 +1,28 @@
-"""APAR (apar.py, apar_data.py): the engine computes what the paper's attention semantics say, the
-paragraph tree restores in root - first child - next sibling order, the cache frees and reuses the
-slots of finished threads, and the data rules cut answers as appendix B says."""
+"""APAR's engine (apar.py): it computes what the paper's attention semantics say, the paragraph tree
+restores in root - first child - next sibling order, the cache frees and reuses the slots of finished
+threads; and `--method apar` on the command line. (The data rules and the adapter:
+test_apar_finetune.py.)"""
 
 import json
 import random
 
 import pytest
 import torch
+from conftest import random_model, tiny_hf_config, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
 import apar
 from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
-from apar_data import IGNORE, structure, training_example
-from conftest import random_model, tiny_hf_config
+from cli import main
 from model import causal_mask
 
 VOCAB, EOS = 64, 2
 CONTROL = ControlTokens(fork=5, child=6)
-MODELS = {}
 
 
-def tiny_model(seed):
-    if seed not in MODELS:
-        MODELS[seed] = random_model(tiny_hf_config(vocab=VOCAB), seed=seed)
-    return MODELS[seed]
+def model_of(seed):
+    return tiny_model(seed, vocab=VOCAB, max_positions=256)
 
 
 def alone(model, tokens: list[int]) -> torch.Tensor:
@@ -57,7 +55,7 @@ def test_every_thread_sees_exactly_its_own_sequence(seed, script_seed, prompt_le
     """Section 2.2: a token attends to its ancestors only. So each thread's logits, computed with
     the others in one batched pass over a shared cache, equal those of its own sequence (prompt,
     the paragraphs it descends from, a forced [Child], its own tokens) run alone."""
-    model = tiny_model(seed)
+    model = model_of(seed)
     prompt = random.Random(script_seed).choices(range(7, VOCAB), k=prompt_length)
     script = Script(script_seed)
     gen = generate_apar(model, prompt, CONTROL, max_new_tokens=40, eos_ids={EOS}, choose=script)
@@ -69,7 +67,7 @@ def test_every_thread_sees_exactly_its_own_sequence(seed, script_seed, prompt_le
 
 
 def test_a_fork_starts_a_child_with_child_token_and_shared_prefix():
-    model = tiny_model(0)
+    model = model_of(0)
     root_says, child_says = iter([10, CONTROL.fork, 11, 12, EOS]), iter([20, 21, EOS])
     seen = []
 
@@ -99,6 +97,7 @@ shapes = st.recursive(st.tuples(st.integers(0, 3), st.none(), st.none()),
                       max_leaves=30)
 
 
+
 @given(shape=shapes)
 def test_restore_is_root_then_first_child_then_next_sibling(shape):
     root = random_paragraph_tree(shape, iter(range(10**6)))
@@ -114,7 +113,7 @@ def test_restore_is_root_then_first_child_then_next_sibling(shape):
 def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
     """After every step the slots in use are exactly those some live thread attends to, the peak is
     the largest of these, and a slot freed by a finished child is taken again by a later token."""
-    model = tiny_model(1)
+    model = model_of(1)
     plain_step, observed, observed_cache = apar.step, [], []
 
     def checked_step(model, cache, live, out):
@@ -143,7 +142,7 @@ def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
 
 
 def test_slots_are_all_free_when_every_thread_ended(monkeypatch):
-    model = tiny_model(2)
+    model = model_of(2)
     caches, plain_allocate = [], SlotCache.allocate
 
     def allocate(cache, count):
@@ -158,13 +157,10 @@ def test_slots_are_all_free_when_every_thread_ended(monkeypatch):
 
 
 def test_the_default_chooser_never_writes_child_and_respects_the_budget():
-    model = tiny_model(3)
+    model = random_model(tiny_hf_config(vocab=VOCAB), seed=3)  # its own: this test changes it
     with torch.no_grad():  # make [Child] the model's favourite everywhere
         model.lm_head.weight[CONTROL.child] = model.lm_head.weight[CONTROL.child] * 0 + 50
-    try:
-        gen = generate_apar(model, [7, 8], CONTROL, max_new_tokens=12, eos_ids={EOS})
-    finally:
-        MODELS.pop(3)
+    gen = generate_apar(model, [7, 8], CONTROL, max_new_tokens=12, eos_ids={EOS})
     assert CONTROL.child not in gen.token_ids
     assert gen.tokens_sampled <= 12
 
@@ -179,99 +175,9 @@ def test_apar_statistics_compare_with_the_flattened_answer():
     assert stats["attended_tokens"] == 5.0 and stats["parallel"] and stats["tokens_per_pass"] == 2.0
 
 
-# ---- the data rules (appendix B) ----------------------------------------------------------------
-
-LIST_ANSWER = """Here are some tips:
-
-1. **Water regularly:** Plants need water every day to grow well.
-2. Sunlight: Put them near a window so they get light.
-3. Soil: Use rich soil with compost in it.
-
-Good luck!"""
-
-
-def test_an_ordered_list_becomes_roots_and_details():
-    shape = structure(LIST_ANSWER)
-    assert shape.kind == "list"
-    assert [p.root for p in shape.points] == ["Here are some tips:\n\n1. **Water regularly:**", "2. Sunlight:",
-                                              "3. Soil:"]
-    assert shape.points[1].detail == " Put them near a window so they get light.\n"
-    assert shape.tail == "Good luck!"
-    assert shape.text() == LIST_ANSWER
-
-
-def test_paragraphs_split_at_their_first_sentence():
-    answer = ("Paris is the capital of France. It is known for its museums.\n\n"
-              "One line only here.\n\n"
-              "The city has many cafes. People enjoy sitting outside!\n\nVisit soon.")
-    shape = structure(answer)
-    assert shape.kind == "paragraphs"
-    assert [p.root for p in shape.points] == ["Paris is the capital of France.",
-                                              "One line only here.\n\nThe city has many cafes."]
-    assert shape.tail == "Visit soon."
-    assert shape.text() == answer
-
-
-@pytest.mark.parametrize("answer", [
-    "Use this:\n\n```python\nprint(1)\n```\n\n1. First: something long enough.\n2. Second: also long enough.\n3. Third: and this one too.",
-    "The result is 3 + 4 = 7. So the answer is seven.\n\nCheck it again. It still holds.",
-    "See https://example.com for more. It has everything.\n\nAlso look here. There is more.",
-    "Just one short paragraph without much structure.",
-    "1. A: too short\n2. B: tiny\n3. C: small",  # points under 10 characters, one paragraph of one sentence
-])
-def test_code_math_urls_and_plain_text_stay_unstructured(answer):
-    shape = structure(answer)
-    assert shape.kind == "unstructured" and shape.points == [] and shape.tail == answer
-
-
-class CharTokenizer:
-    """One token per character (ids 10+), enough to lay out trees by hand."""
-    eos_ids = {EOS}
-
-    def encode(self, text):
-        return [10 + ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i - 10) for i in ids)
-
-
-def test_the_training_layout_hides_details_from_each_other_and_never_teaches_child():
-    tok = CharTokenizer()
-    answer = "1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third thing.\n"
-    example = training_example([7, 8], tok.encode(answer) + [EOS], tok, CONTROL)
-    tree, labels = example.tree, example.labels
-    mask = tree.ancestor_mask()
-    forks = [i for i, t in enumerate(tree.tokens) if t == CONTROL.fork]
-    children = [i for i, t in enumerate(tree.tokens) if t == CONTROL.child]
-    assert example.kind == "list" and len(forks) == len(children) == 3
-    assert CONTROL.child not in labels and labels[:1] == [IGNORE]
-    for fork, child in zip(forks, children):
-        assert tree.parents[child] == fork  # the child hangs under its [Fork]
-    def under(node):  # the nodes that descend from `node` (itself included)
-        return [i for i in range(len(tree.tokens)) if mask[i, node]]
-
-    for child in children:  # each detail is a chain that ends with EOS to learn
-        assert labels[under(child)[-1]] == EOS
-    assert not any(mask[i, children[0]] for i in under(children[1]))  # details never see each other
-    second_root = next(i for i in range(len(tree.tokens)) if tree.parents[i] == forks[0] and i not in children)
-    assert labels[forks[0]] == tree.tokens[second_root] == tok.encode("2")[0]  # after [Fork]: the next point
-    assert not mask[second_root, children[0]] and mask[second_root, forks[0]]  # roots never see details
-
-
-def test_a_cut_answer_drops_its_last_point_and_learns_no_end():
-    tok = CharTokenizer()
-    answer = "1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third thing.\n4. Dd: cut off her"
-    example = training_example([7], tok.encode(answer), tok, CONTROL)
-    assert sum(t == CONTROL.fork for t in example.tree.tokens) == 3
-    last_fork = max(i for i, t in enumerate(example.tree.tokens) if t == CONTROL.fork)
-    assert example.labels[last_fork] == IGNORE  # what the parent wrote next is unknown
-
-
 # ---- command line -------------------------------------------------------------------------------
 
 def test_a_missing_adapter_says_how_to_train_one(tmp_path, capsys):
-    from decode import main
-
     code = main(["--method", "apar", "--trained", str(tmp_path / "nothing"), "--prompt", "hi"])
     err = capsys.readouterr().err
     assert code == 1 and "python train_prompt.py apar" in err and "Traceback" not in err
@@ -279,6 +185,7 @@ def test_a_missing_adapter_says_how_to_train_one(tmp_path, capsys):
 
 def test_a_tokenizer_without_control_tokens_is_refused(tmp_path):
     from conftest import write_tiny_tokenizer
+
     from errors import UserError
     from tokenizer import Tokenizer
 
@@ -293,15 +200,11 @@ def test_a_tokenizer_without_control_tokens_is_refused(tmp_path):
     (["--tree-rows", "4"], "--tree-rows applies to"),
 ])
 def test_options_that_mean_nothing_for_apar_are_refused(options, message, capsys):
-    from decode import main
-
     assert main(["--method", "apar", "--prompt", "hi", *options]) == 1
     assert message in capsys.readouterr().err
 
 
 def test_the_shipped_adapter_runs_on_the_default_model(capsys):
-    from decode import main
-
     prompt = "Give me three tips for staying healthy."
     assert main(["--method", "apar", "--prompt", prompt, "--max-new-tokens", "48", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
@@ -309,38 +212,3 @@ def test_the_shipped_adapter_runs_on_the_default_model(capsys):
     assert stats["forward_passes"] >= 1 and stats["threads"] >= 1
     assert stats["max_cached_tokens"] <= stats["prompt_tokens"] + stats["tokens_sampled"] + stats["threads"]
 
-
-def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_did():
-    """A few steps of train_prompt.py's APAR loss on one hand-made tree lower it; then apply_adapter
-    (W += up @ down, control rows set) gives the logits the hooked training model gave."""
-    from apar import apply_adapter
-    from train_prompt import AparAdapter, apar_logits
-
-    tok = CharTokenizer()
-    model = random_model(tiny_hf_config(vocab=160, tied=True), seed=4)
-    model.requires_grad_(False)
-    example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third.\n")
-                               + [EOS], tok, CONTROL)
-    adapter = AparAdapter(model, CONTROL, rank=4, seed=0).double()
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
-    handles = adapter.attach(model)
-    losses = []
-    for _ in range(8):
-        loss = torch.nn.functional.cross_entropy(*apar_logits(model, adapter, CONTROL, example))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        trained, _ = apar_logits(model, adapter, CONTROL, example)
-    for handle in handles:
-        handle.remove()
-    assert losses[-1] < losses[0]
-
-    apply_adapter(model, {k: v.detach() for k, v in adapter.tensors().items()}, CONTROL)
-    tree = example.tree
-    with torch.no_grad():
-        logits, _ = model(torch.tensor([tree.tokens]), positions=torch.tensor(tree.depths),
-                          mask=tree.ancestor_mask())
-    learned = torch.tensor(example.labels) != IGNORE
-    torch.testing.assert_close(logits[0, learned], trained, rtol=0, atol=1e-9)

@@ -13,15 +13,17 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from conftest import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
 
 import verify as verify_module
-from conftest import chi_square_p_value, random_hf_weights, random_model, tiny_hf_config
 from decode import generate
-from drafters import DraftModelDrafter, MedusaDrafter, MedusaHeads, NGramDrafter, PromptDrafter, PromptTokens, TrieDrafter
+from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from medusa import MedusaDrafter, MedusaHeads
 from model import LlamaConfig, build_model
+from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling, target_probs
-from tree import best_prompt_tree, best_sparse_tree
 
 VOCAB = 8
 LENGTH = 3  # generated tokens whose joint distribution is compared
@@ -35,7 +37,7 @@ CONFIG = tiny_hf_config(vocab=VOCAB, max_position_embeddings=64)
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(CONFIG, seed=0)
+    return tiny_model(0, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +94,13 @@ def medusa(model):
     torch.manual_seed(0)
     for p in heads.parameters():
         p.data += 0.1 * torch.randn_like(p)
-    return MedusaDrafter(model, heads, best_sparse_tree(ACCURACY, 9))
+    return MedusaDrafter(model, heads, ACCURACY, rows=10)
 
 
 def ppd(model):
     embeddings = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
                              dtype=torch.float64)
-    return PromptDrafter(model, PromptTokens(embeddings), best_prompt_tree(ACCURACY, 16, 3, 2))
+    return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(ACCURACY, 16, 3, 2))
 
 
 def drafters(model, other_draft):
@@ -135,15 +137,8 @@ def test_a_deliberately_wrong_rule_is_caught(model, prompt, other_draft, method,
 
 # ---- greedy speculative decoding equals vanilla greedy ---------------------------------------------
 
-SMALL = {}
-
-
 def small_model(seed, layers):
-    key = (seed, layers)
-    if key not in SMALL:
-        SMALL[key] = random_model(tiny_hf_config(vocab=16, layers=layers, max_position_embeddings=64),
-                                  seed=seed)
-    return SMALL[key]
+    return tiny_model(seed, vocab=16, layers=layers)
 
 
 @given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, 15), min_size=1, max_size=12),

@@ -2,14 +2,15 @@
 prompt alone would (tiny float64 models, prompts of different lengths, end-of-sequence tokens), and
 the decontamination rule drops prompts that share 13 words with a benchmark prompt."""
 
-from hypothesis import given, settings, strategies as st
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from conftest import random_model, tiny_hf_config
 from decode import generate
 from self_distill import greedy_batch, word_ngrams
 
 VOCAB = 16
-MODEL = random_model(tiny_hf_config(vocab=VOCAB, max_position_embeddings=64), seed=3)
+MODEL = tiny_model(3, vocab=VOCAB)
 
 
 @settings(deadline=None, max_examples=15)

@@ -1,7 +1,16 @@
-"""APAR's training data: answers cut into paragraph trees by the rules of Liu et al. 2024 (APAR,
-section 3.1 "Data Pre-processing" and appendix B), laid out as one sequence with a tree attention mask.
+"""APAR's fine-tuning (Liu et al. 2024, sections 2.2 and 3.1, appendix B): the data rules that cut
+answers into paragraph trees, the adapter that makes the base model fork, and the loss.
 
-An answer is read, in this order, as
+Read in this order: `structure` (the text rules), `training_example` (one sequence with a tree
+attention mask and a label per token), `AparAdapter` and `apar_logits` (the loss's forward pass),
+`apply_adapter` (merged at load time; decoding is apar.py's engine). `python train_prompt.py apar`
+runs the training (train_prompt.py).
+
+The paper fine-tunes all weights; on 2 CPU cores this trains a rank-8 LoRA update of every layer's
+attention projections plus the two control tokens' embedding rows (tied to the LM head), about 0.6M
+parameters, so it fits in well under an hour and ships as a few MB.
+
+The data rules. An answer is read, in this order, as
 1. an *ordered list*: at least 3 numbered points "N. root: detail", each point's text at least 10
    characters. The root ("2. Watering:") is written by the parent thread, the detail by a child.
 2. *paragraphs*: the answer split at blank lines; a paragraph of two or more sentences has its first
@@ -24,6 +33,15 @@ ShareGPT first turns, half of them list-style requests, with the benchmark's tes
 import re
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import artifacts
+from apar import AparEngine, ControlTokens
+from cpu_kernels import prepare_tree_kernels
+from errors import UserError
+from self_distill import training_prompts
 from tree import Tree
 
 LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
@@ -39,8 +57,6 @@ def apar_prompts(count: int, tokenizer, max_prompt_tokens: int, pool: int = 320)
     """The `count` shortest of `pool` ShareGPT prompts, half of which are list-style and half anything
     else (which brings the code, math and prose answers that become negative examples). Short prompts
     first because answering costs the same for every prompt of a batch: as long as its longest answer."""
-    from self_distill import training_prompts
-
     lists = training_prompts(pool // 2, tokenizer, max_prompt_tokens, looks_list_style)
     others = training_prompts(pool - pool // 2, tokenizer, max_prompt_tokens, lambda p: not looks_list_style(p))
     return sorted(lists + others, key=lambda p: len(tokenizer.prompt_ids(p, raw=False)))[:count]
@@ -173,3 +189,129 @@ def training_example(prompt_ids: list[int], answer_ids: list[int], tokenizer, co
     if not cut:
         layout.end(node, eos)
     return TrainingExample(Tree(layout.tokens, layout.parents), layout.labels, shape.kind)
+
+
+# ---- the adapter: base weights + a low-rank update, merged at load time -----------------------
+
+ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
+
+
+def adapted_linears(model) -> dict[str, torch.nn.Module]:
+    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
+    modules = dict(model.named_modules())
+    return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
+            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
+
+
+def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding matrix [V, D] with the [Fork] and [Child] rows replaced by `rows` [2, D] (out of
+    place, so gradients reach `rows` when training)."""
+    ids = torch.tensor([control.fork, control.child], device=weight.device)
+    return weight.index_put((ids,), rows.to(weight.dtype))
+
+
+@torch.no_grad()
+def require_tied_embeddings(model) -> None:
+    """The trained [Fork]/[Child] rows serve as both input embeddings and LM-head rows, which needs
+    the two matrices to be one (as on the default model)."""
+    if not model.config.tie_embeddings:
+        raise UserError("APAR here supports models with tied embeddings only (the default model's): "
+                        "the trained [Fork]/[Child] rows are input and output rows at once")
+
+
+def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
+    """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
+    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
+    tied to the LM head, set to their trained values."""
+    require_tied_embeddings(model)
+    wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
+    for name, linear in adapted_linears(model).items():
+        update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
+        linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
+                                           requires_grad=False)
+    embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
+    model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
+    model.lm_head.weight = model.embed.weight
+
+
+def load_apar_model(model, tokenizer, path) -> AparEngine:
+    """Make `model` the APAR model with the adapter at `path` (made by train_prompt.py apar), in place;
+    returns the engine that decodes with it."""
+    control = ControlTokens.of(tokenizer)
+    tensors, _ = artifacts.load(path, "apar", model)
+    apply_adapter(model, tensors, control)
+    prepare_tree_kernels(model)  # the threads of a step go through the model together
+    return AparEngine(model, control)
+
+
+# ---- training: the loss on a paragraph tree ------------------------------------------------------
+
+class AparAdapter(nn.Module):
+    """What APAR fine-tuning changes: a rank-r update W + up @ down of each adapted Linear (LoRA, Hu
+    et al. 2021; `up` starts at zero, so training starts from the base model) and the [Fork] /
+    [Child] embedding rows. Forward hooks add the updates, so the base weights stay untouched."""
+
+    def __init__(self, model, control, rank: int, seed: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.names = list(adapted_linears(model))
+        self.down, self.up = nn.ParameterDict(), nn.ParameterDict()
+        for name, linear in adapted_linears(model).items():
+            out_features, in_features = linear.weight.shape
+            key = name.replace(".", "_")  # a ParameterDict key cannot hold dots
+            self.down[key] = nn.Parameter(torch.randn(rank, in_features, generator=generator) * in_features ** -0.5)
+            self.up[key] = nn.Parameter(torch.zeros(out_features, rank))
+        self.control = nn.Parameter(model.embed.weight[[control.fork, control.child]].detach().clone())
+
+    def attach(self, model) -> list:
+        """Hook the updates into the model's Linears; returns the handles (call .remove() on each)."""
+        def hook(key):
+            return lambda module, inputs, output: output + (inputs[0] @ self.down[key].T) @ self.up[key].T
+        return [linear.register_forward_hook(hook(name.replace(".", "_")))
+                for name, linear in adapted_linears(model).items()]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """As apply_adapter reads them."""
+        made = {"control_embeddings": self.control}
+        for name in self.names:
+            key = name.replace(".", "_")
+            made |= {f"{name}.down": self.down[key], f"{name}.up": self.up[key]}
+        return made
+
+
+def apar_logits(model, adapter: AparAdapter, control, example) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [L, V] at the learned positions of a paragraph-tree example and their labels [L]: the
+    whole tree in one pass, every token attending to its ancestors only (section 2.2, "Training
+    attention")."""
+    tree = example.tree
+    weight = with_control_rows(model.embed.weight, control, adapter.control)  # input and output rows
+    embeds = F.embedding(torch.tensor([tree.tokens]), weight)
+    hidden = model.hidden_states(embeds=embeds, positions=torch.tensor(tree.depths), mask=tree.ancestor_mask())
+    labels = torch.tensor(example.labels)
+    learned = labels != IGNORE
+    return F.linear(hidden[0, learned], weight), labels[learned]
+
+
+def apar_examples(records, tokenizer, control) -> list:
+    """Paragraph-tree examples, structured and unstructured mixed 1:1 (section 3.2): the first
+    unstructured ones up to the number of structured ones."""
+    examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
+    structured = [e for e in examples if e.kind != "unstructured"]
+    unstructured = [e for e in examples if e.kind == "unstructured"][:max(len(structured), 1)]
+    return structured + unstructured
+
+
+@torch.no_grad()
+def apar_evaluation(model, adapter, control, examples) -> dict:
+    """Held-out loss, and how well [Fork] is placed when the model reads the true tree: precision
+    and recall of "argmax is [Fork]" against "the label is [Fork]"."""
+    losses, hits, predicted, actual = [], 0, 0, 0
+    for example in examples:
+        logits, labels = apar_logits(model, adapter, control, example)
+        losses.append(F.cross_entropy(logits, labels).item())
+        says_fork, is_fork = logits.argmax(-1) == control.fork, labels == control.fork
+        hits += int((says_fork & is_fork).sum())
+        predicted += int(says_fork.sum())
+        actual += int(is_fork.sum())
+    return {"held_out_loss": round(sum(losses) / max(len(losses), 1), 4),
+            "fork_precision": round(hits / max(predicted, 1), 3), "fork_recall": round(hits / max(actual, 1), 3)}

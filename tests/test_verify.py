@@ -1,5 +1,6 @@
-"""The sampling verifiers, checked exactly: speculative sampling over any tree must leave the model's
-distribution untouched, and typical acceptance must be (and is labelled) lossy.
+"""The verifiers. Greedy: the longest greedy path, against brute force over random trees. Sampling,
+checked exactly: speculative sampling over any tree must leave the model's distribution untouched,
+and typical acceptance must be (and is labelled) lossy.
 
 A "model" here is a table: for every prefix of guessed tokens, the distribution p of the next token.
 A verify step emits some tokens; continuing from them by sampling the model itself up to a fixed
@@ -14,15 +15,59 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from conftest import VOCAB_OF_TREES, chi_square_p_value, path_to, trees
+from hypothesis import given
+from hypothesis import strategies as st
 
 import verify as verify_module
-from conftest import chi_square_p_value
 from sampling import Sampling, target_probs
 from tree import Tree
-from verify import Chance, TypicalAcceptance, verify, verify_speculative, verify_typical
+from verify import (
+    Chance,
+    TypicalAcceptance,
+    verify,
+    verify_greedy,
+    verify_speculative,
+    verify_typical,
+)
 
 VOCAB = 3
+
+
+# ---- greedy ---------------------------------------------------------------------------------------
+
+@given(trees(), st.data())
+def test_greedy_verification_accepts_the_longest_greedy_path(tree, data):
+    logits = torch.tensor(data.draw(st.lists(
+        st.lists(st.floats(-5, 5, allow_nan=False), min_size=VOCAB_OF_TREES, max_size=VOCAB_OF_TREES),
+        min_size=len(tree), max_size=len(tree))), dtype=torch.float64)
+    choice = logits.argmax(-1).tolist()
+    verdict = verify_greedy(tree, logits)
+
+    assert verdict.path[0] == 0
+    assert all(tree.parents[b] == a for a, b in zip(verdict.path, verdict.path[1:]))
+    # the tokens are the greedy continuation: each one is the model's choice after the previous
+    assert verdict.tokens == [choice[a] for a in verdict.path]
+    assert verdict.tokens[:-1] == [tree.tokens[n] for n in verdict.path[1:]]
+    # and no accepted path reaches deeper (brute force over all nodes)
+    accepted_depths = [tree.depths[n] for n in range(len(tree))
+                       if all(tree.tokens[b] == choice[a]
+                              for a, b in zip(path_to(tree, n), path_to(tree, n)[1:]))]
+    assert verdict.accepted_guesses == max(accepted_depths)
+    # and what the pass proposed, and whether it ended at a rejected guess, for the loop's statistics
+    assert verdict.proposed == len(tree) - 1
+    assert verdict.rejected == any(tree.parents[n] == verdict.path[-1] for n in range(len(tree)))
+
+
+def test_parallel_branches_with_a_shared_first_token_take_the_deeper_one():
+    # branches [1, 2] and [1, 3] laid side by side; the model continues 1, 3, 0
+    tree = Tree.from_branches(0, [[1, 2], [1, 3]], budget=4, merge=False)
+    logits = torch.full((len(tree), 4), -1.0)
+    wanted_after = {0: 1, 1: 3, 2: 0, 3: 3, 4: 0}  # node -> the model's next token
+    for node, token in wanted_after.items():
+        logits[node, token] = 1.0
+    verdict = verify_greedy(tree, logits)
+    assert verdict.path == [0, 3, 4] and verdict.tokens == [1, 3, 0]
 
 
 # ---- small exact models and the verifier's outcomes, enumerated ----------------------------------
@@ -41,7 +86,7 @@ def random_model(rng: random.Random, max_depth: int, zeros: bool = True) -> dict
 
 
 def node_prefix(tree: Tree, node: int) -> tuple:
-    return tuple(tree.tokens[n] for n in tree.path_to(node)[1:])
+    return tuple(tree.tokens[n] for n in path_to(tree, node)[1:])
 
 
 def tree_probs(tree: Tree, model: dict) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Every decoding method `--method` offers, in one registry.
+
+Per method: its one-line help, the paper it implements, its own command-line options, the option that
+sets its size (inputs per forward pass, which --calibrate tunes), whether it has trained parts, and
+how to build it: a *drafter* for the guess-and-verify loop (decode.py), or an *engine* with a loop of
+its own (APAR). cli.py makes its parser and option checks from this table; bench.py builds the same
+drafters from it.
+
+    method = METHODS["anpd"]
+    drafter = build_drafter(method, default_options(ngram_n=4), model, tokenizer)
+"""
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import medusa
+import ppd
+from apar_finetune import load_apar_model
+from artifacts import shipped_artifact
+from calibrate import calibrated_rows
+from convert import default_model_dir
+from cpu_kernels import prepare_tree_kernels
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
+from errors import UserError
+from model import load_checkpoint
+from tokenizer import Tokenizer
+
+DEFAULT_DRAFT_LAYERS = 4
+DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate: near the best tau(n)/L(n) of both here (README)
+
+
+@dataclass(frozen=True)
+class Size:
+    """The option that sets how many inputs a forward pass gets: `option`'s value + `root` inputs
+    (the root is one more input unless the option counts it), `default` without a calibration."""
+    option: str
+    default: int
+    root: int
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str  # for --help
+    paper: str
+    options: tuple[str, ...] = ()  # its own options (OPTIONS), refused with any other method
+    size: Size | None = None
+    trained: bool = False  # its trained parts are an artifact: trained/<name>-<model folder>
+    guesses: bool = True  # its passes verify guesses (so --acceptance means something)
+    drafter: Callable | None = None  # (options, model, tokenizer, rows) -> Drafter
+    engine: Callable | None = None  # (options, model, tokenizer) -> an engine with .generate (apar.py)
+
+
+# ---- how each method is built ---------------------------------------------------------------------
+
+def trained_path(method: str, options) -> Path:
+    """--trained, else the artifact shipped for the model's folder."""
+    if options.trained is not None:
+        return options.trained
+    return shipped_artifact(method, options.model if options.model is not None else default_model_dir())
+
+
+def load_draft(options, model, tokenizer):
+    """The draft for --method speculative: --draft-model's checkpoint (checked to share the
+    tokenizer), or the model's own first --draft-layers layers."""
+    if options.draft_model is None:
+        return model.first_layers(options.draft_layers)
+    draft = load_checkpoint(options.draft_model, model.dtype, model.device)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
+                        f"model's {model.config.vocab_size}: a draft must share the model's tokenizer")
+    if Tokenizer(options.draft_model).vocabulary() != tokenizer.vocabulary():
+        raise UserError(f"the draft model in {options.draft_model} uses another tokenizer than the model: "
+                        "its token ids would mean other text")
+    prepare_tree_kernels(draft)
+    return draft
+
+
+METHODS = {m.name: m for m in [
+    Method("vanilla", "plain autoregressive decoding, one forward pass per token", "", guesses=False,
+           drafter=lambda options, model, tokenizer, rows: Drafter()),
+    Method("anpd", "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
+           "Ou et al. 2024", ("ngram_n", "ngram_k"), Size("ngram_k", NGramDrafter.DEFAULT_K, 1),
+           drafter=lambda options, model, tokenizer, rows: NGramDrafter(n=options.ngram_n, k=rows - 1)),
+    Method("lookahead", "trie-based retrieval of several guessed branches from prompts and earlier output "
+           "(Zhao et al.'s Lookahead, not Fu et al.'s Jacobi 'lookahead decoding')",
+           "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode"),
+           Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1),
+           drafter=lambda options, model, tokenizer, rows: TrieDrafter(
+               rows - 1, options.branch_length, hierarchical=options.lookahead_mode == "hierarchical")),
+    Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
+           "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
+           ("draft_model", "draft_layers", "gamma"),
+           drafter=lambda options, model, tokenizer, rows: DraftModelDrafter(
+               load_draft(options, model, tokenizer), options.gamma)),
+    Method("medusa", "trained Medusa heads guess the next tokens from the model's last hidden state; their "
+           "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows"),
+           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
+           drafter=lambda options, model, tokenizer, rows: medusa.load_drafter(
+               model, trained_path("medusa", options), rows)),
+    Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
+           "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree"),
+           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
+           drafter=lambda options, model, tokenizer, rows: ppd.load_drafter(
+               model, trained_path("ppd", options), rows, options.static_tree)),
+    Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
+           "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
+           "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
+           ("trained",), trained=True, guesses=False,
+           engine=lambda options, model, tokenizer: load_apar_model(model, tokenizer, trained_path("apar", options))),
+]}
+
+
+# ---- the options methods own ----------------------------------------------------------------------
+
+OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are in METHODS
+    "ngram_n": ("--ngram-n", dict(type=int, default=NGramDrafter.DEFAULT_N, metavar="N",
+                                  help="longest n-gram level; levels 2..N are kept and the longest match wins")),
+    "ngram_k": ("--ngram-k", dict(type=int, metavar="K", help="guessed tokens per step (default: what "
+                                  f"--calibrate chose on this machine, else {NGramDrafter.DEFAULT_K})")),
+    "decoding_length": ("--decoding-length", dict(
+        type=int, help="guessed tokens per step, over all branches (the paper uses up to 64 on GPUs; on a "
+                       "CPU a pass over 16 tokens costs ~1.9x one token, over 8 ~1.55x; default: what "
+                       f"--calibrate chose on this machine, else {TrieDrafter.DEFAULT_DECODING_LENGTH})")),
+    "branch_length": ("--branch-length", dict(type=int, default=TrieDrafter.DEFAULT_BRANCH_LENGTH,
+                                              help="the longest guessed branch")),
+    "lookahead_mode": ("--lookahead-mode", dict(
+        default="hierarchical", choices=["hierarchical", "parallel"],
+        help="merge branches that share a prefix (hierarchical) or lay them side by side")),
+    "draft_model": ("--draft-model", dict(
+        type=Path, metavar="DIR", help="a smaller Hugging Face Llama checkpoint with the same tokenizer, as the draft")),
+    "draft_layers": ("--draft-layers", dict(
+        type=int, default=DEFAULT_DRAFT_LAYERS, metavar="N",
+        help="without --draft-model, the draft is the model itself cut after its first N layers (then its "
+             "final norm and LM head): self-speculative, no extra weights")),
+    "gamma": ("--gamma", dict(type=int, default=DraftModelDrafter.DEFAULT_GAMMA, help="tokens the draft guesses per step")),
+    "trained": ("--trained", dict(
+        type=Path, metavar="PATH",
+        help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "
+             "train_prompt.py (default: trained/<method>-<model folder>, shipped for the default model)")),
+    "tree_rows": ("--tree-rows", dict(
+        type=int, metavar="N", help="inputs per forward pass: the root, the guesses and (ppd) the soft tokens "
+                                    f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS})")),
+    "static_tree": ("--static-tree", dict(
+        action="store_true", help="every node carries all soft tokens, instead of the dynamic sparse tree "
+                                  "(section 4) that gives them where they pay most")),
+}
+
+
+def methods_taking(option: str) -> list[str]:
+    return [name for name, method in METHODS.items() if option in method.options]
+
+
+def default_options(**overrides) -> argparse.Namespace:
+    """Every method option at its default (the model: the default one), then `overrides`."""
+    defaults = {dest: settings.get("default", False if settings.get("action") == "store_true" else None)
+                for dest, (_, settings) in OPTIONS.items()}
+    return argparse.Namespace(**(defaults | {"model": None} | overrides))
+
+
+# ---- building -------------------------------------------------------------------------------------
+
+def calibration_name(method: Method, options) -> str:
+    """The name --calibrate saves the method's best size under (PPD's static tree is another tree)."""
+    return method.name + ("-static" if method.name == "ppd" and options.static_tree else "")
+
+
+def inputs_per_pass(method: Method, options, model) -> int | None:
+    """The size option if given, else this machine's calibrated size, else the default (None for a
+    method without a size)."""
+    size = method.size
+    if size is None:
+        return None
+    if getattr(options, size.option) is not None:
+        return getattr(options, size.option) + size.root
+    return calibrated_rows(model, calibration_name(method, options), size.default + size.root)
+
+
+def build_drafter(method: Method, options, model, tokenizer, rows: int | None = None) -> Drafter:
+    """The method's drafter, with `rows` inputs per forward pass (default: inputs_per_pass)."""
+    if method.drafter is None:
+        raise ValueError(f"{method.name} is an engine, not a drafter")
+    return method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model))

@@ -1,0 +1,74 @@
+"""Medusa heads (medusa.py): greedy Medusa equals vanilla greedy token for token on random tiny float64
+models with random heads, and on the default model with the shipped heads; training lowers the loss.
+(Sampling with Medusa: test_sampling_decode.py; the sparse tree: test_tree.py.)"""
+
+import random
+
+import torch
+from conftest import random_accuracy, self_distilled_record, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import artifacts
+from decode import generate
+from medusa import (
+    MedusaDrafter,
+    MedusaHeads,
+    answer_features,
+    load_drafter,
+    medusa_accuracy,
+    medusa_loss,
+)
+
+VOCAB = 16
+
+
+def random_medusa(model, seed, heads, rows):
+    torch.manual_seed(seed)
+    medusa = MedusaHeads(model.config.hidden_size, heads).double()
+    for p in medusa.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return MedusaDrafter(model, medusa, random_accuracy(random.Random(seed), heads, 4), rows)
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       max_new=st.integers(1, 40), eos=st.sets(st.integers(0, VOCAB - 1), max_size=2),
+       size=st.integers(1, 3), rows=st.integers(2, 24), drafter_seed=st.integers(0, 10**6))
+def test_medusa_equals_vanilla_greedy(seed, prompt, max_new, eos, size, rows, drafter_seed):
+    model = tiny_model(seed, vocab=VOCAB, max_positions=96)
+    drafter = random_medusa(model, drafter_seed, size, rows)
+    vanilla = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos)
+    guessed = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos, drafter=drafter)
+    assert guessed.token_ids == vanilla.token_ids
+    assert guessed.stop_reason == vanilla.stop_reason
+
+
+def test_shipped_heads_equal_vanilla_on_the_default_model(default_model, default_tokenizer):
+    drafter = load_drafter(default_model, artifacts.SHIPPED / "medusa-SmolLM2-135M-Instruct", 12)
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Explain what a hash table is."]:
+        ids = default_tokenizer.prompt_ids(prompt, raw=False)
+        with torch.inference_mode():
+            vanilla = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
+            guessed = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids,
+                               drafter=drafter)
+        assert guessed.token_ids == vanilla.token_ids
+        assert guessed.draft_tokens_accepted > 0
+
+
+def test_medusa_training_lowers_the_loss():
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    hidden, targets = answer_features(model, [self_distilled_record(model, s, VOCAB) for s in range(4)])
+    heads = MedusaHeads(model.config.hidden_size, 2).double()
+    optimizer = torch.optim.Adam(heads.parameters(), lr=0.01)
+    before = medusa_loss(model, heads, hidden, targets).item()
+    for _ in range(40):
+        loss = medusa_loss(model, heads, hidden, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.7 * before
+    accuracy = medusa_accuracy(model, heads, hidden, targets)
+    assert len(accuracy) == 2 and all(0 <= a <= 1 for row in accuracy for a in row)
+

@@ -1,0 +1,49 @@
+"""train_prompt.py: an interrupted training run resumes to exactly the weights of an uninterrupted
+one, and bad options are refused with one line before any work."""
+
+import pytest
+import torch
+from conftest import self_distilled_record, tiny_model
+
+import train_prompt
+from ppd import SoftTokens, initial_embeddings, ppd_loss
+
+VOCAB = 16
+
+
+def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """An interrupted run, run again, ends with exactly the weights of an uninterrupted one."""
+    import argparse
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    record = self_distilled_record(model, 0, VOCAB)
+
+    def train(out, stop_at=None):
+        args = argparse.Namespace(out=tmp_path / out, save_every=2, lr=0.05, seed=0)
+        soft_tokens = SoftTokens(initial_embeddings(model, 2, 1, seed=0).double())
+        optimizer = torch.optim.AdamW(soft_tokens.parameters(), lr=args.lr)
+
+        def step_loss(step):
+            if step == stop_at:
+                raise KeyboardInterrupt
+            return ppd_loss(model, soft_tokens, record, 8, torch.Generator().manual_seed(step)), 1
+
+        train_prompt.run_steps(soft_tokens, optimizer, 6, step_loss, args)
+        return soft_tokens.embeddings.detach()
+
+    straight = train("straight")
+    with pytest.raises(KeyboardInterrupt):
+        train("interrupted", stop_at=5)  # the resume point of step 4 was saved
+    assert torch.equal(train("interrupted"), straight)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["ppd", "--epochs", "0"], "--epochs"), (["medusa", "--lr", "0"], "--lr"),
+    (["ppd", "--records", "5"], "--records"), (["medusa", "--heads", "9"], "at most 7 heads"),
+])
+def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
+    assert train_prompt.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and fragment in err and "Traceback" not in err
+
