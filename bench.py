@@ -31,7 +31,7 @@ step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured
 
 `learned` prints the trained parts' size and held-out accuracy at distances 1-3, top-1 and top-5
 (PPD Table 2's layout), then Medusa, PPD with the dynamic sparse tree and PPD with a static tree
-(every node carrying all prompt tokens: PPD Figure 8a) at each --budgets number of inputs per forward
+(every node carrying all soft tokens: PPD Figure 8a) at each --budgets number of inputs per forward
 pass: tau predicted from the accuracies next to tau measured, speedup over vanilla in the same run.
 
 `apar` decodes MT-Bench first turns of each --mt-categories category twice: with the APAR model

@@ -8,11 +8,14 @@ What speculative decoding needs from it, beyond a plain causal LM:
 - explicit `positions` and an explicit boolean `mask` over [cached tokens + new tokens], so a whole
   tree of candidate tokens is scored in one pass, each node attending to the cache and to its own
   ancestors only (see tree.py); with no mask the new tokens are causal, as in ordinary decoding;
-- `embeds` instead of token ids, for inputs that are not tokens (trained prompt tokens in PPD);
+- `embeds` instead of token ids, for inputs that are not tokens (PPD's trained soft tokens);
 - the final hidden states next to the logits (Medusa heads read them).
 
 Shapes: B batch, T new tokens, S = cached + T attended tokens, D hidden, H query heads,
 K key/value heads, G = H / K query heads per K/V head, E head_dim, V vocabulary.
+
+The linear layers are cpu_kernels.Linear: nn.Linear with faster CPU kernels for decoding's few rows
+(the same y = x W^T; read it as nn.Linear).
 """
 
 import json
@@ -135,14 +138,14 @@ def rotary_cos_sin(inv_freq, positions, dtype):
     """cos and sin of position * theta_i, laid out for rotate-half: [B, 1, T, E]."""
     wide = at_least_float32(dtype)
     angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # [B, T, E/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, E]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x, cos, sin):
     """Rotate each pair (x_i, x_{i+E/2}) by its angle. x: [B, heads, T, E]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, heads, T, E]: (-x2, x1)
     return x * cos + rotated * sin
 
 
@@ -156,16 +159,16 @@ class Attention(nn.Module):
         self.wo = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer, cache, mask):
-        B, T, _ = x.shape
+        B, T, _ = x.shape  # x: [B, T, D]
         H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.wqkv(x).split([H * E, K * E, K * E], dim=-1)
+        q, k, v = self.wqkv(x).split([H * E, K * E, K * E], dim=-1)  # [B, T, H*E], [B, T, K*E], [B, T, K*E]
         q = apply_rotary(q.view(B, T, H, E).transpose(1, 2), cos, sin)  # [B, H, T, E]
         k = apply_rotary(k.view(B, T, K, E).transpose(1, 2), cos, sin)  # [B, K, T, E]
-        v = v.view(B, T, K, E).transpose(1, 2)
+        v = v.view(B, T, K, E).transpose(1, 2)  # [B, K, T, E]
         if cache is not None:
             k, v = cache.write(layer, k, v)  # [B, K, S, E]: everything cached plus these T tokens
         out = grouped_attention(q, k, v, mask)  # [B, H, T, E]
-        return self.wo(out.transpose(1, 2).reshape(B, T, H * E))
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * E))  # [B, T, D]
 
 
 def grouped_attention(q, k, v, mask):
@@ -181,12 +184,12 @@ def grouped_attention(q, k, v, mask):
     # and K/V are small enough to convert on every call
     out_dtype, wide = q.dtype, at_least_float32(q.dtype)
     q, k, v = q.to(wide), k.to(wide), v.to(wide)
-    q = q.reshape(B, K, G * T, E) * E ** -0.5  # the G heads of a group become extra query rows
-    scores = (q @ k.transpose(-1, -2)).view(B, K, G, T, S)
-    mask = mask.view(-1, 1, 1, T, S)  # broadcast over K/V heads and the G heads of each group
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E).to(out_dtype)
+    q = q.reshape(B, K, G * T, E) * E ** -0.5  # [B, K, G*T, E]: a group's G heads become extra query rows
+    scores = (q @ k.transpose(-1, -2)).view(B, K, G, T, S)  # [B, K, G, T, S]
+    mask = mask.view(-1, 1, 1, T, S)  # [B or 1, 1, 1, T, S]: broadcast over K/V heads and each group's G heads
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, K, G, T, S]
+    probs = torch.softmax(scores, dim=-1)  # [B, K, G, T, S]
+    return (probs.view(B, K, G * T, S) @ v).view(B, H, T, E).to(out_dtype)  # [B, H, T, E]
 
 
 class MLP(nn.Module):

@@ -17,7 +17,7 @@ min(1, p(x) / q(x)); on rejection the token is drawn from norm(max(0, p - q)) in
 is then distributed exactly as p:  P(x) = q(x) min(1, p(x)/q(x)) + P(reject) norm(max(0, p - q))(x) = p(x).
 A node with several children tries them in order, each judged against the *residual* left by the
 rejections before it (SpecInfer's multi-step speculative sampling, Miao et al. 2024, section 4.2).
-When the guesses were chosen deterministically (n-grams, trie, top-k heads, prompt tokens) q is a
+When the guesses were chosen deterministically (n-grams, trie, top-k heads, soft tokens) q is a
 point mass on x, and the rule becomes: accept child c with probability p'(c); on
 rejection set p'(c) = 0, renormalise and try the next child; if all fail, draw the bonus from the
 final p'. An accepted child continues the walk with the p the model computed there; a rejected

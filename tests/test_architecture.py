@@ -1,0 +1,114 @@
+"""The shape of the code, checked: the modules import each other without a cycle, lowest first; no
+module imports one of ours inside a function; nothing points a reader outside the repository; and the
+decoding loop's body is steps, not clocks and counters.
+
+Run it as a script to print the import layers:  python tests/test_architecture.py
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
+
+TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
+    ["errors", "meter", "cpu_kernels", "model", "kv_cache", "tree", "sampling", "tokenizer", "convert",
+     "artifacts", "bench_data"],  # foundations
+    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune"],  # the methods' parts
+    ["decode"],  # the guess-and-verify loop
+    ["calibrate", "methods"],  # what sizes and builds a method
+    ["cli", "bench", "train_prompt"],  # the programs
+]
+TIER = {module: tier for tier, modules in enumerate(TIERS) for module in modules}
+
+
+def is_main_block(node) -> bool:
+    """`if __name__ == "__main__":`, which runs a module as a script and never runs on import."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+def imported_names(node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name.split(".")[0] for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0:
+        return [node.module.split(".")[0]]
+    return []
+
+
+def imports(module: str) -> tuple[set[str], set[str]]:
+    """(our modules imported at module level, our modules imported inside a function or class)."""
+    tree = ast.parse(MODULES[module].read_text())
+    top, nested = set(), set()
+    for node in tree.body:
+        if is_main_block(node):
+            continue
+        top |= {name for name in imported_names(node) if name in MODULES}
+        for inner in ast.walk(node):
+            if inner is not node:
+                nested |= {name for name in imported_names(inner) if name in MODULES}
+    return top, nested
+
+
+def layers() -> list[list[str]]:
+    """Modules in layers: each imports only modules of lower layers. Raises on a cycle."""
+    graph = {module: imports(module)[0] for module in MODULES}
+    placed, result = set(), []
+    while len(placed) < len(graph):
+        layer = sorted(m for m, deps in graph.items() if m not in placed and deps <= placed)
+        if not layer:
+            cycle = sorted(m for m in graph if m not in placed)
+            raise AssertionError(f"import cycle among {cycle}")
+        result.append(layer)
+        placed |= set(layer)
+    return result
+
+
+def test_the_import_graph_has_no_cycle():
+    assert sum(map(len, layers())) == len(MODULES)
+
+
+def test_every_module_imports_only_its_own_tier_or_lower_ones():
+    assert sorted(TIER) == sorted(MODULES), "place every module in a tier"
+    upward = {(module, dep) for module in MODULES for dep in imports(module)[0] if TIER[dep] > TIER[module]}
+    assert upward == set()
+
+
+def test_no_module_imports_one_of_ours_inside_a_function():
+    nested = {module: imports(module)[1] for module in MODULES}
+    assert {module: found for module, found in nested.items() if found} == {}
+
+
+def test_nothing_points_a_reader_outside_the_repository():
+    for path in [*MODULES.values(), ROOT / "README.md", *sorted((ROOT / "tests").glob("*.py"))]:
+        text = path.read_text()
+        if path.name == "test_architecture.py":
+            continue
+        assert "../shared" not in text and "DESIGN.md" not in text, path.name
+
+
+def test_every_module_says_what_it_is():
+    for module, path in MODULES.items():
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{module}.py has no docstring"
+
+
+def test_the_decoding_loop_is_steps_not_clocks_and_counters():
+    """decode.generate's while body fits on a screen, with no `+=` and no clock read in it (the
+    meter's `with meter.time(phase):` names a phase; the meter reads the clock)."""
+    tree = ast.parse(MODULES["decode"].read_text())
+    generate = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "generate")
+    loop = next(n for n in ast.walk(generate) if isinstance(n, ast.While))
+    assert loop.end_lineno - loop.lineno <= 25
+    for node in ast.walk(loop):
+        assert not isinstance(node, ast.AugAssign), f"a counter in the loop, line {node.lineno}"
+        if isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            assert called not in ("perf_counter", "monotonic", "now", "elapsed", "count"), \
+                f"a clock or counter in the loop, line {node.lineno}"
+
+
+if __name__ == "__main__":
+    for depth, layer in enumerate(layers()):
+        print(f"{depth}: {' '.join(layer)}")
+    sys.exit(0)
