@@ -202,40 +202,42 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="train_prompt.py", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa,apar}")
-    data = argparse.ArgumentParser(add_help=False)
-    data.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face Llama checkpoint folder "
-                      "(default: the embedded SmolLM2-135M-Instruct)")
-    data.add_argument("--records", type=int, default=480, help="ShareGPT prompts to answer (every "
-                      f"{VALIDATION_EVERY}th is held out)")
-    data.add_argument("--max-new-tokens", type=int, default=192, help="longest self-distilled answer")
-    data.add_argument("--max-prompt-tokens", type=int, default=192, help="longer ShareGPT prompts are skipped")
-    train = argparse.ArgumentParser(add_help=False, parents=[data])
-    train.add_argument("--out", type=Path, help="where to write NAME.safetensors and NAME.json "
-                       "(default: trained/<method>-<model folder>)")
-    train.add_argument("--epochs", type=int, default=1, help="passes over the training answers")
-    train.add_argument("--seed", type=int, default=0, help="initialisation and data order")
-    train.add_argument("--save-every", type=int, default=25, help="steps between resume points")
-    commands.add_parser("data", parents=[data], help="generate the self-distilled answers only",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ppd = commands.add_parser("ppd", parents=[train], help="train PPD's soft-token embeddings (the paper's "
-                              "prompt tokens)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def command(name, summary, training=True, records=480, max_new_tokens=192, max_prompt_tokens=192, epochs=1):
+        """A subcommand with the options all share, at this subcommand's defaults (each gets its own
+        options: argparse's set_defaults on a subcommand would change a shared parent's for all)."""
+        sub = commands.add_parser(name, help=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face Llama checkpoint folder "
+                         "(default: the embedded SmolLM2-135M-Instruct)")
+        sub.add_argument("--records", type=int, default=records, help="ShareGPT prompts to answer (every "
+                         f"{VALIDATION_EVERY}th is held out)")
+        sub.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="longest self-distilled answer")
+        sub.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens,
+                         help="longer ShareGPT prompts are skipped")
+        if training:
+            sub.add_argument("--out", type=Path, help="where to write NAME.safetensors and NAME.json "
+                             "(default: trained/<method>-<model folder>)")
+            sub.add_argument("--epochs", type=int, default=epochs, help="passes over the training answers")
+            sub.add_argument("--seed", type=int, default=0, help="initialisation and data order")
+            sub.add_argument("--save-every", type=int, default=25, help="steps between resume points")
+        return sub
+
+    command("data", "generate the self-distilled answers only", training=False)
+    ppd = command("ppd", "train PPD's soft-token embeddings (the paper's prompt tokens)")
     ppd.add_argument("--soft-tokens", type=int, default=3, help="m: soft tokens (distances 1..m)")
-    ppd.add_argument("--ensembles", type=int, default=1, help="n: EPTs per prompt token")
+    ppd.add_argument("--ensembles", type=int, default=1, help="n: EPTs per soft token")
     ppd.add_argument("--insertions", type=int, default=32, help="insertion points per answer per step")
     ppd.add_argument("--lr", type=float, default=0.01, help="peak learning rate (cosine to 0)")
-    medusa = commands.add_parser("medusa", parents=[train], help="train Medusa heads",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # an epoch is a few minutes once the hidden states are cached
+    medusa = command("medusa", "train Medusa heads", epochs=4)
     medusa.add_argument("--heads", type=int, default=3, help="K: heads (distances 1..K)")
     medusa.add_argument("--batch-tokens", type=int, default=256, help="answer positions per step")
     medusa.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to 0)")
-    medusa.set_defaults(epochs=4)  # an epoch is a few minutes once the hidden states are cached
-    apar = commands.add_parser("apar", parents=[train], help="fine-tune for APAR: a low-rank adapter "
-                               "and the [Fork]/[Child] embeddings (its own data: half list-style prompts)",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
+    apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
+                   "data: half list-style prompts)", records=112, max_new_tokens=448, max_prompt_tokens=128, epochs=2)
     apar.add_argument("--rank", type=int, default=8, help="rank of the low-rank (LoRA) updates")
     apar.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0)")
-    # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
-    apar.set_defaults(epochs=2, records=112, max_new_tokens=448, max_prompt_tokens=128)
     return p
 
 

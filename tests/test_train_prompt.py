@@ -47,3 +47,14 @@ def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and fragment in err and "Traceback" not in err
 
+
+
+def test_each_subcommand_has_its_own_defaults():
+    """APAR's longer answers and Medusa's epochs must not become PPD's (argparse shares a parent
+    parser's options between subcommands, so set_defaults on one changed them for all)."""
+    parser = train_prompt.build_parser()
+    ppd, medusa, apar = (vars(parser.parse_args([name])) for name in ["ppd", "medusa", "apar"])
+    assert (ppd["records"], ppd["max_new_tokens"], ppd["max_prompt_tokens"], ppd["epochs"]) == (480, 192, 192, 1)
+    assert (medusa["records"], medusa["epochs"]) == (480, 4)
+    assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (112, 448, 128, 2)
+    assert vars(parser.parse_args(["data"]))["records"] == 480
