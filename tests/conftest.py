@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
-from model import LlamaConfig, build_model, hf_weight_shapes  # noqa: E402
+from medusa import MedusaHeads  # noqa: E402
+from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
 from tree import Tree  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
@@ -73,6 +74,22 @@ def write_checkpoint(folder: Path, hf_config: dict, seed: int = 0, weights=None)
     weights = random_hf_weights(hf_config, seed) if weights is None else weights
     save_file({k: v.float().contiguous() for k, v in weights.items()}, folder / "model.safetensors")
     return folder
+
+
+def tiny_artifacts(folder, out):
+    """Medusa heads and PPD soft tokens (random) made for the tiny checkpoint, as train_prompt.py
+    would save them."""
+    model = load_checkpoint(folder, torch.float32)
+    accuracy = [[0.4, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]]
+    heads = MedusaHeads(model.config.hidden_size, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    artifacts.save(out / "medusa", heads.state_dict(), {"kind": "medusa", "heads": 3, "accuracy": accuracy,
+                                                        "model": artifacts.model_fingerprint(model)})
+    embeddings = torch.randn(3, 2, model.config.hidden_size)
+    artifacts.save(out / "ppd", {"embeddings": embeddings}, {"kind": "ppd", "soft_tokens": 3, "ensembles": 2,
+                                                             "accuracy": accuracy,
+                                                             "model": artifacts.model_fingerprint(model)})
 
 
 def write_tiny_tokenizer(folder: Path) -> int:

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
-from conftest import random_model, tiny_hf_config, tiny_model
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import apar
 from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
 from cli import main
+from conftest import random_model, tiny_hf_config, tiny_model
 from model import causal_mask
 
 VOCAB, EOS = 64, 2
@@ -185,7 +184,6 @@ def test_a_missing_adapter_says_how_to_train_one(tmp_path, capsys):
 
 def test_a_tokenizer_without_control_tokens_is_refused(tmp_path):
     from conftest import write_tiny_tokenizer
-
     from errors import UserError
     from tokenizer import Tokenizer
 

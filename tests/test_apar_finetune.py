@@ -4,17 +4,10 @@ merged adapter computes what the hooked training model did."""
 
 import pytest
 import torch
-from conftest import random_model, tiny_hf_config
 
 from apar import ControlTokens
-from apar_finetune import (
-    IGNORE,
-    AparAdapter,
-    apar_logits,
-    apply_adapter,
-    structure,
-    training_example,
-)
+from apar_finetune import IGNORE, AparAdapter, apar_logits, apply_adapter, structure, training_example
+from conftest import random_model, tiny_hf_config
 
 EOS = 2
 CONTROL = ControlTokens(fork=5, child=6)

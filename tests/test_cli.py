@@ -8,12 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
-import artifacts
 from cli import main
-from medusa import MedusaHeads
-from model import load_checkpoint
+from conftest import ROOT, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -230,22 +227,6 @@ def test_default_model_answers_coherently(capsys):
                              "--json")
     assert code == 0, err
     assert "Paris" in json.loads(out)["text"]
-
-
-def tiny_artifacts(folder, out):
-    """Medusa heads and PPD soft tokens (random) made for the tiny checkpoint, as train_prompt.py
-    would save them."""
-    model = load_checkpoint(folder, torch.float32)
-    accuracy = [[0.4, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]]
-    heads = MedusaHeads(model.config.hidden_size, 3)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    artifacts.save(out / "medusa", heads.state_dict(), {"kind": "medusa", "heads": 3, "accuracy": accuracy,
-                                                        "model": artifacts.model_fingerprint(model)})
-    embeddings = torch.randn(3, 2, model.config.hidden_size)
-    artifacts.save(out / "ppd", {"embeddings": embeddings}, {"kind": "ppd", "soft_tokens": 3, "ensembles": 2,
-                                                             "accuracy": accuracy,
-                                                             "model": artifacts.model_fingerprint(model)})
 
 
 def test_learned_methods_run_greedy_and_sampling(capsys, tiny_folder, tmp_path):

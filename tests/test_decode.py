@@ -7,10 +7,9 @@ import random
 
 import pytest
 import torch
-from conftest import random_model, tiny_hf_config, tiny_model
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import random_model, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from sampling import Sampling

@@ -3,10 +3,9 @@ logits as a full forward over the resulting sequence; and its own bookkeeping.""
 
 import pytest
 import torch
-from conftest import full_logits, random_model, tiny_hf_config
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import full_logits, random_model, tiny_hf_config
 from kv_cache import KVCache
 
 # ---- the cache: chunking, rollback and keeping tree nodes change nothing ---------------------------

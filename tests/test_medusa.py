@@ -5,20 +5,12 @@ models with random heads, and on the default model with the shipped heads; train
 import random
 
 import torch
-from conftest import random_accuracy, self_distilled_record, tiny_model
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import artifacts
+from conftest import random_accuracy, self_distilled_record, tiny_model
 from decode import generate
-from medusa import (
-    MedusaDrafter,
-    MedusaHeads,
-    answer_features,
-    load_drafter,
-    medusa_accuracy,
-    medusa_loss,
-)
+from medusa import MedusaDrafter, MedusaHeads, answer_features, load_drafter, medusa_accuracy, medusa_loss
 
 VOCAB = 16
 

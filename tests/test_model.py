@@ -3,10 +3,9 @@
 
 import pytest
 import torch
-from conftest import full_logits, tiny_hf_config, write_checkpoint
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import full_logits, tiny_hf_config, write_checkpoint
 from decode import generate
 from model import load_checkpoint
 

@@ -12,18 +12,10 @@ import random
 
 import pytest
 import torch
-from conftest import (
-    accuracy_tables,
-    random_accuracy,
-    random_model,
-    self_distilled_record,
-    tiny_hf_config,
-    tiny_model,
-)
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import artifacts
+from conftest import accuracy_tables, random_accuracy, random_model, self_distilled_record, tiny_hf_config, tiny_model
 from decode import generate
 from errors import UserError
 from ppd import (

@@ -13,11 +13,10 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import verify as verify_module
+from conftest import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import MedusaDrafter, MedusaHeads

@@ -2,10 +2,9 @@
 prompt alone would (tiny float64 models, prompts of different lengths, end-of-sequence tokens), and
 the decontamination rule drops prompts that share 13 words with a benchmark prompt."""
 
-from conftest import tiny_model
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from conftest import tiny_model
 from decode import generate
 from self_distill import greedy_batch, word_ngrams
 

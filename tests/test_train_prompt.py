@@ -3,9 +3,9 @@ one, and bad options are refused with one line before any work."""
 
 import pytest
 import torch
-from conftest import self_distilled_record, tiny_model
 
 import train_prompt
+from conftest import self_distilled_record, tiny_model
 from ppd import SoftTokens, initial_embeddings, ppd_loss
 
 VOCAB = 16

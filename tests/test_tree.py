@@ -6,10 +6,9 @@ import itertools
 
 import pytest
 import torch
-from conftest import VOCAB_OF_TREES, accuracy_tables, path_to, trees
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
+from conftest import VOCAB_OF_TREES, accuracy_tables, path_to, trees
 from tree import Tree, best_sparse_tree, expected_accepted
 
 

@@ -15,21 +15,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import VOCAB_OF_TREES, chi_square_p_value, path_to, trees
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import verify as verify_module
+from conftest import VOCAB_OF_TREES, chi_square_p_value, path_to, trees
 from sampling import Sampling, target_probs
 from tree import Tree
-from verify import (
-    Chance,
-    TypicalAcceptance,
-    verify,
-    verify_greedy,
-    verify_speculative,
-    verify_typical,
-)
+from verify import Chance, TypicalAcceptance, verify, verify_greedy, verify_speculative, verify_typical
 
 VOCAB = 3
 

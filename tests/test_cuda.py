@@ -1,0 +1,100 @@
+"""On a GPU (skipped without CUDA): every method decodes on the device and gives, greedily, exactly
+vanilla's tokens, which are the CPU's tokens (float64 tiny models, so nothing rounds differently);
+sampling runs with a generator on the device; the command line takes --device cuda."""
+
+import json
+
+import pytest
+import torch
+
+from apar import ControlTokens, generate_apar
+from cli import main
+from conftest import random_hf_weights, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
+from decode import generate
+from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from medusa import MedusaDrafter, MedusaHeads
+from model import LlamaConfig, build_model
+from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from sampling import Sampling
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+VOCAB = 16
+CONFIG = tiny_hf_config(vocab=VOCAB, max_position_embeddings=96)
+ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]]
+
+
+def model_on(device):
+    return build_model(LlamaConfig.from_hf(CONFIG), random_hf_weights(CONFIG, seed=1), torch.float64, device)
+
+
+def drafters(model):
+    heads = MedusaHeads(model.config.hidden_size, 3).double()
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    soft = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return {
+        "anpd": NGramDrafter(n=3, k=4),
+        "lookahead": TrieDrafter(decoding_length=6, branch_length=3),
+        "lookahead-parallel": TrieDrafter(decoding_length=6, branch_length=3, hierarchical=False),
+        "speculative": DraftModelDrafter(model.first_layers(1), gamma=3),
+        "medusa": MedusaDrafter(model, heads.to(model.device), ACCURACY, rows=8),
+        "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(ACCURACY, 12, 3, 2)),
+    }
+
+
+def test_every_method_gives_vanilla_greedy_tokens_on_the_gpu():
+    cpu, gpu = model_on("cpu"), model_on("cuda")
+    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9]):
+        expected = generate(cpu, prompt, max_new_tokens=40, eos_ids=set()).token_ids
+        assert generate(gpu, prompt, max_new_tokens=40, eos_ids=set()).token_ids == expected
+        for name, drafter in drafters(gpu).items():
+            gen = generate(gpu, prompt, max_new_tokens=40, eos_ids=set(), drafter=drafter)
+            assert gen.token_ids == expected, name
+
+
+def test_every_method_samples_on_the_gpu():
+    gpu = model_on("cuda")
+    for name, drafter in drafters(gpu).items():
+        gen = generate(gpu, [3, 1, 4], max_new_tokens=20, eos_ids=set(), drafter=drafter,
+                       sampling=Sampling(0.8, top_k=6, top_p=0.95), generator=torch.Generator("cuda").manual_seed(0))
+        assert len(gen.token_ids) == 20 and all(0 <= t < VOCAB for t in gen.token_ids), name
+
+
+def test_apar_threads_compute_on_the_gpu_what_they_compute_on_the_cpu():
+    control = ControlTokens(fork=5, child=6)
+    script = {"cpu": [], "cuda": []}
+
+    def chooser(device):
+        def choose(logits, thread):  # fork after the first token, write two tokens, end
+            script[device].append(logits.cpu())
+            own = thread.paragraph.tokens
+            if len(thread.tokens) == 4 and control.child not in thread.tokens:
+                return control.fork
+            return 2 if len(own) >= 3 else 7 + len(script[device]) % 8
+        return choose
+
+    gens = {device: generate_apar(model_on(device), [8, 9, 10], control, max_new_tokens=30, eos_ids={2},
+                                  choose=chooser(device)) for device in ["cpu", "cuda"]}
+    assert gens["cuda"].token_ids == gens["cpu"].token_ids and gens["cuda"].threads == gens["cpu"].threads > 1
+    for on_cpu, on_gpu in zip(script["cpu"], script["cuda"], strict=True):
+        torch.testing.assert_close(on_gpu, on_cpu, rtol=0, atol=1e-9)
+
+
+def test_the_command_line_decodes_on_the_gpu(capsys, tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    write_checkpoint(folder, tiny_hf_config(vocab=write_tiny_tokenizer(folder), max_position_embeddings=64))
+    tiny_artifacts(folder, tmp_path)
+    base = ["--model", str(folder), "--raw", "--prompt", "the quick dog", "--max-new-tokens", "12", "--json",
+            "--device", "cuda"]
+    results = {}
+    for method, extra in [("vanilla", []), ("anpd", []), ("lookahead", []), ("speculative", ["--draft-layers", "1"]),
+                          ("medusa", ["--trained", str(tmp_path / "medusa")]),
+                          ("ppd", ["--trained", str(tmp_path / "ppd")])]:
+        assert main([*base, "--method", method, *extra]) == 0, capsys.readouterr().err
+        results[method] = json.loads(capsys.readouterr().out)["token_ids"]
+        assert main([*base, "--method", method, *extra, "--temperature", "0.7", "--seed", "1"]) == 0
+        capsys.readouterr()
+    assert all(ids == results["vanilla"] for ids in results.values()), results
