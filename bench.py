@@ -49,6 +49,7 @@ latency L(T): one forward pass feeding T new tokens on 256 or 1024 cached ones, 
 """
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -350,8 +351,6 @@ def bench_apar(args, tokenizer):
 
 
 def apar_row(category: str, c: AparCategory) -> list:
-    import math
-
     v, a, n = c.vanilla, c.apar, c.vanilla.prompts
 
     def ppl(nll):

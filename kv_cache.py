@@ -69,6 +69,3 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes allocated for keys and values (the whole capacity)."""
         return self.keys.nbytes + self.values.nbytes
-
-    def used_bytes(self) -> int:
-        return self.memory_bytes() * self.length // self.capacity

@@ -185,6 +185,26 @@ def random_accuracy(rng, depth, ranks):
     return [sorted((rng.random() / ranks for _ in range(ranks)), reverse=True) for _ in range(depth)]
 
 
+def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter):
+    """The drafter's greedy output is vanilla's, token for token, stopping for the same reason."""
+    vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    guessed = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids, drafter=drafter)
+    assert guessed.token_ids == vanilla.token_ids
+    assert guessed.stop_reason == vanilla.stop_reason
+
+
+def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
+    """On the default model, a shipped guesser's greedy output is vanilla's, and some guesses pass."""
+    for prompt in ["Give me three tips for staying focused while studying.",
+                   "Explain what a hash table is."]:
+        ids = tokenizer.prompt_ids(prompt, raw=False)
+        with torch.inference_mode():
+            vanilla = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids)
+            guessed = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids, drafter=drafter)
+        assert guessed.token_ids == vanilla.token_ids
+        assert guessed.draft_tokens_accepted > 0
+
+
 def self_distilled_record(model, seed, vocab):
     """A record as self_distill.py writes them: a random prompt and the model's greedy answer."""
     prompt = [random.Random(seed).randrange(vocab) for _ in range(4)]

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
-from conftest import random_accuracy, self_distilled_record, tiny_model
-from decode import generate
+from conftest import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
+                      self_distilled_record, tiny_model)
 from medusa import MedusaDrafter, MedusaHeads, answer_features, load_drafter, medusa_accuracy, medusa_loss
 
 VOCAB = 16
@@ -30,23 +30,12 @@ def random_medusa(model, seed, heads, rows):
 def test_medusa_equals_vanilla_greedy(seed, prompt, max_new, eos, size, rows, drafter_seed):
     model = tiny_model(seed, vocab=VOCAB, max_positions=96)
     drafter = random_medusa(model, drafter_seed, size, rows)
-    vanilla = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos)
-    guessed = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos, drafter=drafter)
-    assert guessed.token_ids == vanilla.token_ids
-    assert guessed.stop_reason == vanilla.stop_reason
+    assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
 
 
 def test_shipped_heads_equal_vanilla_on_the_default_model(default_model, default_tokenizer):
     drafter = load_drafter(default_model, artifacts.SHIPPED / "medusa-SmolLM2-135M-Instruct", 12)
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Explain what a hash table is."]:
-        ids = default_tokenizer.prompt_ids(prompt, raw=False)
-        with torch.inference_mode():
-            vanilla = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
-            guessed = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids,
-                               drafter=drafter)
-        assert guessed.token_ids == vanilla.token_ids
-        assert guessed.draft_tokens_accepted > 0
+    assert_shipped_guesser_equals_vanilla(default_model, default_tokenizer, drafter)
 
 
 def test_medusa_training_lowers_the_loss():

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
-from conftest import accuracy_tables, random_accuracy, random_model, self_distilled_record, tiny_hf_config, tiny_model
-from decode import generate
+from conftest import (accuracy_tables, assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla,
+                      random_accuracy, random_model, self_distilled_record, tiny_hf_config, tiny_model)
 from errors import UserError
 from ppd import (
     PPDDrafter,
@@ -122,7 +122,6 @@ def random_ppd(model, seed, m, ensembles, rows, dynamic):
     return PPDDrafter(model, tokens, best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic))
 
 
-
 @settings(deadline=None)
 @given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
        max_new=st.integers(1, 40), eos=st.sets(st.integers(0, VOCAB - 1), max_size=2),
@@ -131,23 +130,12 @@ def random_ppd(model, seed, m, ensembles, rows, dynamic):
 def test_ppd_equals_vanilla_greedy(seed, prompt, max_new, eos, dynamic, size, ensembles, rows, drafter_seed):
     model = model_of(seed)
     drafter = random_ppd(model, drafter_seed, size, ensembles, rows, dynamic=dynamic)
-    vanilla = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos)
-    guessed = generate(model, prompt, max_new_tokens=max_new, eos_ids=eos, drafter=drafter)
-    assert guessed.token_ids == vanilla.token_ids
-    assert guessed.stop_reason == vanilla.stop_reason
+    assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
 
 
 def test_shipped_soft_tokens_equal_vanilla_on_the_default_model(default_model, default_tokenizer):
     drafter = load_drafter(default_model, artifacts.SHIPPED / "ppd-SmolLM2-135M-Instruct", 12)
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Explain what a hash table is."]:
-        ids = default_tokenizer.prompt_ids(prompt, raw=False)
-        with torch.inference_mode():
-            vanilla = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
-            guessed = generate(default_model, ids, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids,
-                               drafter=drafter)
-        assert guessed.token_ids == vanilla.token_ids
-        assert guessed.draft_tokens_accepted > 0
+    assert_shipped_guesser_equals_vanilla(default_model, default_tokenizer, drafter)
 
 
 # ---- training and artifacts ---------------------------------------------------------------------
