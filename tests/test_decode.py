@@ -147,6 +147,25 @@ def test_a_perfect_guesser_needs_few_passes():
     assert gen.forward_passes == 1 + 3  # prefill, then 10 tokens (9 guesses + bonus) per pass: 1+10+10+9
 
 
+def test_guesses_accepted_past_the_end_of_sequence_are_not_counted():
+    """A perfect guesser's pass runs past the first end-of-sequence token: the output stops there, and
+    only the guesses that became output count as accepted."""
+    model = tiny_model(1, vocab=VOCAB)
+    free = generate(model, [4, 5], max_new_tokens=30, eos_ids=set()).token_ids
+    first = next(i for i in range(3, len(free)) if free.index(free[i]) == i)  # a token new at i >= 3
+    eos = free[first]
+    vanilla = generate(model, [4, 5], max_new_tokens=30, eos_ids={eos})
+
+    class Perfect(CorruptedOracle):
+        def propose(self):
+            done = len(self.history) - self.prompt_length
+            return Tree.chain(self.history[-1], free[done:done + 9])
+
+    gen = generate(model, [4, 5], max_new_tokens=30, eos_ids={eos}, drafter=Perfect(0, free))
+    assert gen.token_ids == vanilla.token_ids == free[:first + 1] and gen.forward_passes == 2
+    assert gen.draft_tokens_accepted == sum(gen.from_draft) == len(gen.token_ids) - 1
+
+
 # ---- the real default model --------------------------------------------------------------------
 
 PROMPTS = [
