@@ -45,7 +45,7 @@ import torch
 from errors import UserError
 from kv_cache import KVCache
 from meter import Meter
-from model import causal_mask
+from model import causal_mask, room_for_new_tokens
 from sampling import Sampling, choose_token
 
 FORK_TOKEN = "<jupyter_script>"  # [Fork]
@@ -185,11 +185,7 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
     token (default: the sampling rule, never [Child], which only the engine writes); tests pass a
     scripted one. At most `max_new_tokens` tokens are sampled over all threads."""
     context = model.config.max_positions
-    if not prompt_ids:
-        raise UserError("the prompt is empty")
-    if len(prompt_ids) >= context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
-    budget = min(max_new_tokens, context - len(prompt_ids))
+    budget = room_for_new_tokens(model, prompt_ids, max_new_tokens)
     choose = choose or default_chooser(control, sampling, generator)
     # every sampled token and every forced [Child] (at most one per sampled [Fork]) takes a slot
     cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget)

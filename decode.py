@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters import Drafter, Request
-from errors import UserError
 from kv_cache import KVCache
 from meter import Meter
+from model import room_for_new_tokens
 from sampling import Sampling, choose_token
 from tree import Tree
 from verify import TypicalAcceptance, Verdict, verify
@@ -103,16 +103,6 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
                       prefill_seconds=meter.seconds["prefill"], draft_seconds=meter.seconds["draft"],
                       forward_seconds=meter.seconds["forward"], decode_seconds=meter.elapsed(),
                       kv_cache_bytes=cache.memory_bytes())
-
-
-def room_for_new_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> int:
-    """How many new tokens this prompt may get: --max-new-tokens, or fewer if the context is shorter."""
-    context = model.config.max_positions
-    if not prompt_ids:
-        raise UserError("the prompt is empty")
-    if len(prompt_ids) >= context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
-    return min(max_new_tokens, context - len(prompt_ids))
 
 
 def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:

@@ -296,6 +296,17 @@ def causal_mask(cached: int, new: int, device) -> torch.Tensor:
     return torch.ones(new, cached + new, dtype=torch.bool, device=device).tril(diagonal=cached)
 
 
+def room_for_new_tokens(model: Llama, prompt_ids: list[int], max_new_tokens: int) -> int:
+    """How many new tokens this prompt may get: `max_new_tokens`, or fewer if the model's context
+    (max_position_embeddings) is shorter. The decoding loops (decode.py, apar.py) both ask it."""
+    context = model.config.max_positions
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if len(prompt_ids) >= context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+    return min(max_new_tokens, context - len(prompt_ids))
+
+
 # ---- loading Hugging Face checkpoints ------------------------------------------------------------
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 from conftest import random_model, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
+from errors import UserError
 from sampling import Sampling
 from tree import Tree
 
@@ -42,6 +43,14 @@ def test_stops_at_the_context_limit():
     model = random_model(tiny_hf_config(vocab=32, max_position_embeddings=12))
     gen = generate(model, [1] * 9, max_new_tokens=50, eos_ids=set())
     assert len(gen.token_ids) == 3 and gen.stop_reason == "context"
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_one_token_shorter_gets_one_token():
+    model = random_model(tiny_hf_config(vocab=32, max_position_embeddings=12))
+    with pytest.raises(UserError, match="context is 12"):
+        generate(model, [1] * 12, max_new_tokens=5, eos_ids=set())
+    gen = generate(model, [1] * 11, max_new_tokens=5, eos_ids=set())
+    assert len(gen.token_ids) == 1 and gen.stop_reason == "context"
 
 
 def test_sampling_is_reproducible_with_a_seed():
