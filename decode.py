@@ -37,7 +37,7 @@ import torch
 from drafters import Drafter, Request
 from kv_cache import KVCache
 from meter import Meter
-from model import room_for_new_tokens
+from model import require_finite, room_for_new_tokens
 from sampling import Sampling, choose_token
 from tree import Tree
 from verify import TypicalAcceptance, Verdict, verify
@@ -118,7 +118,7 @@ def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> t
         hidden = score_tree(model, cache, tree)
         cache.truncate(len(prompt_ids))  # soft tokens' K/V are never kept
     last = hidden[len(prompt_ids) - 1:]  # the last prompt token's, then its soft tokens'
-    return last, model.logits(last)
+    return last, require_finite(model.logits(last), model)
 
 
 def score_tree(model, cache: KVCache, tree: Tree) -> torch.Tensor:

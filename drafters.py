@@ -317,13 +317,15 @@ class TrieDrafter(Drafter):
     # a pass over 8 tokens costs ~1.55x one token on a 2-core CPU, over 16 ~1.9x (README, "Speed");
     # the paper goes up to 64 on an A100, where such a pass costs about one token
     DEFAULT_DECODING_LENGTH, DEFAULT_BRANCH_LENGTH = 8, 8
+    MAX_DECODING_LENGTH, MAX_BRANCH_LENGTH = 256, 64
 
     def __init__(self, decoding_length: int = DEFAULT_DECODING_LENGTH,
                  branch_length: int = DEFAULT_BRANCH_LENGTH, hierarchical: bool = True):
-        if not 1 <= decoding_length <= 256:
-            raise UserError(f"the decoding length must be in 1..256 draft tokens, got {decoding_length}")
-        if not 1 <= branch_length <= 64:
-            raise UserError(f"the branch length must be in 1..64 tokens, got {branch_length}")
+        if not 1 <= decoding_length <= self.MAX_DECODING_LENGTH:
+            raise UserError(f"the decoding length must be in 1..{self.MAX_DECODING_LENGTH} draft tokens, "
+                            f"got {decoding_length}")
+        if not 1 <= branch_length <= self.MAX_BRANCH_LENGTH:
+            raise UserError(f"the branch length must be in 1..{self.MAX_BRANCH_LENGTH} tokens, got {branch_length}")
         self.decoding_length, self.branch_length = decoding_length, branch_length
         self.hierarchical = hierarchical
         self.max_draft_tokens = decoding_length

@@ -1,10 +1,22 @@
-"""`UserError`, the exception for mistakes in the user's input, and the parser that reports them.
+"""`UserError`, the exception for mistakes in the user's input, and how the programs report problems
+and refuse bad options.
 
-The command lines print a `UserError` as a single line on stderr and exit non-zero; anything else is
-a bug and keeps its traceback.
+The programs (decode.py, train_prompt.py, bench.py) run their `main` through `run_program`, so that a
+mistake of the user's or a problem of the machine is one `error:` line on stderr and a non-zero exit,
+never a traceback: a `UserError`, Ctrl-C, a file or folder that cannot be read or written (a full
+disk, a read-only cache), a standard stream that is closed. Anything else is a bug and keeps its
+traceback.
+
+Importing this module also makes an uncaught Ctrl-C one line: the programs import it before torch, so
+that this holds while the slow imports run too.
 """
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
+
+INTERRUPTED = 130  # the exit status of a program stopped by Ctrl-C (128 + SIGINT), as shells report it
 
 
 class UserError(Exception):
@@ -20,3 +32,86 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with each option's default said once: appended where there is a value to show and the
+    help text does not already say what happens by default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+        return text + " (default: %(default)s)" if shown and action.option_strings else text
+
+
+def report(message: str) -> None:
+    """One line on stderr, if there is a stderr to write to."""
+    if sys.stderr is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def run_program(main: Callable[[], int | None], interrupted: str = "") -> int:
+    """Run a program's `main`, turning every problem that is not a bug into one `error:` line and an
+    exit status. `interrupted` says what Ctrl-C leaves behind, if anything."""
+    try:
+        if sys.stdout is None:  # started with stdout closed (`>&-`): the answer would vanish
+            raise UserError("standard output is closed; redirect it to a file or /dev/null instead")
+        return main() or 0
+    except UserError as err:
+        report(str(err))
+    except KeyboardInterrupt:
+        report("interrupted (Ctrl-C)" + (f"; {interrupted}" if interrupted else ""))
+        return INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop writing, quietly for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail
+        report("standard output was closed before the answer was complete (piped into head?)")
+    except MemoryError:
+        report("out of memory; try a shorter --max-new-tokens, fewer inputs per pass, or --dtype bfloat16")
+    except OSError as err:  # a file or folder the machine would not let us read or write
+        where = f" ({err.filename})" if err.filename else ""
+        report(f"{err.strerror or err}{where}; check that the path exists, is writable and has free space")
+    return 1
+
+
+def print_interrupt_as_one_line(hook: Callable) -> Callable:
+    """A sys.excepthook that prints Ctrl-C outside run_program (while torch is imported, say) as one
+    line, and hands every other exception to `hook`."""
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, KeyboardInterrupt):
+            report("interrupted (Ctrl-C)")
+        else:
+            hook(kind, value, traceback)
+    return excepthook
+
+
+sys.excepthook = print_interrupt_as_one_line(sys.excepthook)
+
+
+# ---- argparse types: a number out of range is a usage error that names its option -------------------
+
+def integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in low..high (a huge one is refused here, not deep in the code)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
+        return value
+    parse.__name__ = "integer"  # what argparse calls the type in its messages
+    return parse
+
+
+def number(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite float in [low, high] (inf and nan are refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value <= high:  # also false for nan
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse

@@ -89,9 +89,10 @@ def load_drafter(model, path: Path, rows: int) -> MedusaDrafter:
     """The heads saved at `path` by train_prompt.py (checked to be made for `model`), with the sparse
     tree of `rows` inputs per pass that their held-out accuracies make best."""
     tensors, meta = artifacts.load(path, "medusa", model)
-    heads = MedusaHeads(model.config.hidden_size, meta["heads"]).to(model.device, model.dtype)
-    heads.load_state_dict(tensors)
-    return MedusaDrafter(model, heads.eval(), meta["accuracy"], rows)
+    with artifacts.unpacking(path, "medusa"):
+        heads = MedusaHeads(model.config.hidden_size, meta["heads"]).to(model.device, model.dtype)
+        heads.load_state_dict(tensors)
+        return MedusaDrafter(model, heads.eval(), meta["accuracy"], rows)
 
 
 # ---- training (Medusa-1: the base model frozen) ---------------------------------------------------

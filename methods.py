@@ -23,12 +23,16 @@ from calibrate import calibrated_rows
 from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
-from errors import UserError
+from errors import UserError, integer
 from model import load_checkpoint
 from tokenizer import Tokenizer
 
 DEFAULT_DRAFT_LAYERS = 4
 DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate: near the best tau(n)/L(n) of both here (README)
+# Past 256 inputs a pass costs several times one token even on a GPU (L(n) grows), while the trained
+# heads' and soft tokens' accuracies (a few ranks at a few distances) leave nothing worth the extra rows.
+MAX_TREE_ROWS = 256
+MAX_LAYERS = 1024  # --draft-layers: the model's own count is checked once it is loaded
 
 
 @dataclass(frozen=True)
@@ -116,33 +120,42 @@ METHODS = {m.name: m for m in [
 # ---- the options methods own ----------------------------------------------------------------------
 
 OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are in METHODS
-    "ngram_n": ("--ngram-n", dict(type=int, default=NGramDrafter.DEFAULT_N, metavar="N",
-                                  help="longest n-gram level; levels 2..N are kept and the longest match wins")),
-    "ngram_k": ("--ngram-k", dict(type=int, metavar="K", help="guessed tokens per step (default: what "
-                                  f"--calibrate chose on this machine, else {NGramDrafter.DEFAULT_K})")),
+    "ngram_n": ("--ngram-n", dict(
+        type=integer(2, NGramDrafter.MAX_N), default=NGramDrafter.DEFAULT_N, metavar="N",
+        help=f"longest n-gram level, 2..{NGramDrafter.MAX_N}; levels 2..N are kept and the longest match wins")),
+    "ngram_k": ("--ngram-k", dict(
+        type=integer(1, NGramDrafter.MAX_K), metavar="K",
+        help=f"guessed tokens per step, 1..{NGramDrafter.MAX_K} (default: what --calibrate chose on this "
+             f"machine, else {NGramDrafter.DEFAULT_K})")),
     "decoding_length": ("--decoding-length", dict(
-        type=int, help="guessed tokens per step, over all branches (the paper uses up to 64 on GPUs; on a "
+        type=integer(1, TrieDrafter.MAX_DECODING_LENGTH), metavar="N",
+        help=f"guessed tokens per step over all branches, 1..{TrieDrafter.MAX_DECODING_LENGTH} (the paper "
+             "uses up to 64 on GPUs; on a "
                        "CPU a pass over 16 tokens costs ~1.9x one token, over 8 ~1.55x; default: what "
                        f"--calibrate chose on this machine, else {TrieDrafter.DEFAULT_DECODING_LENGTH})")),
-    "branch_length": ("--branch-length", dict(type=int, default=TrieDrafter.DEFAULT_BRANCH_LENGTH,
-                                              help="the longest guessed branch")),
+    "branch_length": ("--branch-length", dict(
+        type=integer(1, TrieDrafter.MAX_BRANCH_LENGTH), default=TrieDrafter.DEFAULT_BRANCH_LENGTH, metavar="N",
+        help=f"the longest guessed branch, 1..{TrieDrafter.MAX_BRANCH_LENGTH} tokens")),
     "lookahead_mode": ("--lookahead-mode", dict(
         default="hierarchical", choices=["hierarchical", "parallel"],
         help="merge branches that share a prefix (hierarchical) or lay them side by side")),
     "draft_model": ("--draft-model", dict(
         type=Path, metavar="DIR", help="a smaller Hugging Face Llama checkpoint with the same tokenizer, as the draft")),
     "draft_layers": ("--draft-layers", dict(
-        type=int, default=DEFAULT_DRAFT_LAYERS, metavar="N",
+        type=integer(1, MAX_LAYERS), default=DEFAULT_DRAFT_LAYERS, metavar="N",
         help="without --draft-model, the draft is the model itself cut after its first N layers (then its "
-             "final norm and LM head): self-speculative, no extra weights")),
-    "gamma": ("--gamma", dict(type=int, default=DraftModelDrafter.DEFAULT_GAMMA, help="tokens the draft guesses per step")),
+             "final norm and LM head), 1..its layers - 1: self-speculative, no extra weights")),
+    "gamma": ("--gamma", dict(
+        type=integer(1, DraftModelDrafter.MAX_GAMMA), default=DraftModelDrafter.DEFAULT_GAMMA, metavar="N",
+        help=f"tokens the draft guesses per step, 1..{DraftModelDrafter.MAX_GAMMA}")),
     "trained": ("--trained", dict(
         type=Path, metavar="PATH",
         help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "
              "train_prompt.py (default: trained/<method>-<model folder>, shipped for the default model)")),
     "tree_rows": ("--tree-rows", dict(
-        type=int, metavar="N", help="inputs per forward pass: the root, the guesses and (ppd) the soft tokens "
-                                    f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS})")),
+        type=integer(2, MAX_TREE_ROWS), metavar="N",
+        help=f"inputs per forward pass, 2..{MAX_TREE_ROWS}: the root, the guesses and (ppd) the soft tokens "
+             f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS})")),
     "static_tree": ("--static-tree", dict(
         action="store_true", help="every node carries all soft tokens, instead of the dynamic sparse tree "
                                   "(section 4) that gives them where they pay most")),

@@ -18,9 +18,10 @@ The linear layers are cpu_kernels.Linear: nn.Linear with faster CPU kernels for 
 (the same y = x W^T; read it as nn.Linear).
 """
 
+import dataclasses
+import hashlib
 import json
 import math
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,18 @@ from errors import UserError
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # --dtype
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    return device
 
 
 @dataclass(frozen=True)
@@ -55,36 +68,64 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
         """Read a Hugging Face Llama config.json (either the rope_theta/rope_scaling or the newer
-        rope_parameters spelling)."""
+        rope_parameters spelling), every value checked to be of its kind: a wrong one is one line
+        naming it, not a crash deep in the forward pass."""
+        if not isinstance(hf, dict):
+            raise UserError("config.json is not a JSON object")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"]
-        missing = [k for k in required if k not in hf]
+        missing = [k for k in required if hf.get(k) is None]
         if missing:
             raise UserError(f"config.json is missing {', '.join(missing)}")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise UserError("config.json asks for attention/MLP biases, which Llama does not have")
-        rope = hf.get("rope_parameters") or {}
+        rope = config_entry(hf, "rope_parameters", dict, {})
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        num_heads = hf["num_attention_heads"]
+        num_heads = config_entry(hf, "num_attention_heads", int)
+        hidden_size = config_entry(hf, "hidden_size", int)
         config = cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=config_entry(hf, "vocab_size", int),
+            hidden_size=hidden_size,
+            intermediate_size=config_entry(hf, "intermediate_size", int),
+            num_layers=config_entry(hf, "num_hidden_layers", int),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            num_kv_heads=config_entry(hf, "num_key_value_heads", int, num_heads),
+            head_dim=config_entry(hf, "head_dim", int, hidden_size // num_heads),
+            rms_norm_eps=config_entry(hf, "rms_norm_eps", float, 1e-5),
+            rope_theta=config_entry(rope, "rope_theta", float, config_entry(hf, "rope_theta", float, 10000.0)),
             rope_scaling=scaling,
-            max_positions=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
+            max_positions=config_entry(hf, "max_position_embeddings", int, 2048),
+            tie_embeddings=config_entry(hf, "tie_word_embeddings", bool, False),
         )
         if config.num_heads % config.num_kv_heads:
             raise UserError(f"num_attention_heads ({config.num_heads}) is not a multiple of "
                             f"num_key_value_heads ({config.num_kv_heads})")
         rope_inverse_frequencies(config)  # reject an unsupported rope_scaling now, not mid-generation
         return config
+
+
+REQUIRED = object()
+
+
+def config_entry(hf: dict, key: str, kind: type, default=REQUIRED):
+    """hf[key] (or `default` when it is absent or null), checked: a positive whole number (int), a
+    positive finite number (float), true/false (bool), or an object (dict)."""
+    value = hf.get(key)
+    if value is None and default is not REQUIRED:
+        return default
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        wanted = "a positive whole number"
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        wanted = "a positive number"
+    elif kind is bool:
+        ok, wanted = isinstance(value, bool), "true or false"
+    else:
+        ok, wanted = isinstance(value, dict), "an object {...}"
+    if not ok:
+        raise UserError(f"config.json: {key} must be {wanted}, got {json.dumps(value)}")
+    return float(value) if kind is float else value
 
 
 def at_least_float32(dtype):
@@ -105,6 +146,10 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+ROPE_SCALING_KEYS = {"linear": ["factor"],
+                     "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]}
+
+
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     """theta_i = base^(-2i/E) for i < E/2, optionally rescaled for long context. [E/2], float64."""
     dim = config.head_dim
@@ -112,12 +157,18 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
+    if not isinstance(scaling, dict):
+        raise UserError(f"config.json: rope_scaling must be an object or null, got {json.dumps(scaling)}")
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise UserError(f"rope_scaling type {kind!r} is not supported (only 'linear' and 'llama3')")
+    for key in ROPE_SCALING_KEYS[kind]:
+        config_entry(scaling, key, float)
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return llama3_scaled(inv_freq, scaling)
-    raise UserError(f"rope_scaling type {kind!r} is not supported (only 'linear' and 'llama3')")
+    if not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise UserError("config.json: rope_scaling's low_freq_factor must be below its high_freq_factor")
+    return llama3_scaled(inv_freq, scaling)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -229,6 +280,8 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.fingerprint: dict | None = None  # the checkpoint's, set by build_model (artifacts.py checks it)
+        self.folder: Path | None = None  # where load_checkpoint found it
 
     @property
     def dtype(self):
@@ -319,7 +372,9 @@ def load_checkpoint(folder, dtype=torch.float32, device="cpu") -> Llama:
     if not folder.is_dir():
         raise UserError(f"model directory {folder} does not exist")
     config = LlamaConfig.from_hf(read_config(folder))
-    return build_model(config, read_safetensors(folder), dtype, device)
+    model = build_model(config, read_safetensors(folder), dtype, device)
+    model.folder = folder
+    return model
 
 
 def build_model(config: LlamaConfig, hf: dict[str, torch.Tensor], dtype=torch.float32, device="cpu") -> Llama:
@@ -336,7 +391,31 @@ def build_model(config: LlamaConfig, hf: dict[str, torch.Tensor], dtype=torch.fl
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
+    model.fingerprint = checkpoint_fingerprint(config, hf)
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_fingerprint(config: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict:
+    """What names a checkpoint whatever dtype or device it is loaded in: its shapes and a hash of a few
+    weight rows as the checkpoint stores them (in float32, which holds bfloat16 and float16 exactly).
+    Trained parts are made for one checkpoint and check this before they are used."""
+    last_down = hf[f"model.layers.{config.num_layers - 1}.mlp.down_proj.weight"]
+    sample = torch.cat([hf["model.embed_tokens.weight"][:8].flatten(), last_down[:4].flatten()])
+    digest = hashlib.sha256(sample.to("cpu", torch.float32).numpy().tobytes()).hexdigest()[:16]
+    return {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "num_layers": config.num_layers,
+            "weights_sha256": digest}
+
+
+def require_finite(logits: torch.Tensor, model: Llama) -> torch.Tensor:
+    """`logits`, refused if any is NaN or inf: damaged weights (or an overflow in a low precision)
+    would otherwise decode to an empty or random answer with no error. The decoding loops check the
+    prompt's logits, one device sync per prompt."""
+    if not torch.isfinite(logits).all():
+        where = f"the weights in {model.folder}" if model.folder else "its weights"
+        raise UserError(f"the model computed NaN or inf logits: {where} are damaged (if it is the converted "
+                        f"default model, delete that folder and run again to convert it anew) or overflow "
+                        f"in {str(model.dtype).removeprefix('torch.')} (try --dtype float32)")
+    return logits
 
 
 def read_config(folder: Path) -> dict:
@@ -344,15 +423,18 @@ def read_config(folder: Path) -> dict:
     if not path.exists():
         raise UserError(f"{folder} has no config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON
         raise UserError(f"{path} is not valid JSON: {err}") from None
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{index} is not a valid index of shards ({type(err).__name__}: {err})") from None
     elif (folder / "model.safetensors").exists():
         shards = ["model.safetensors"]
     else:

@@ -104,13 +104,18 @@ def load_drafter(model, path: Path, rows: int, static: bool = False) -> PPDDraft
     dynamic sparse tree (or, `static`, every node carrying all soft tokens) of at most `rows` inputs
     per pass that their held-out accuracies make best."""
     tensors, meta = artifacts.load(path, "ppd", model)
-    soft_tokens = SoftTokens(tensors["embeddings"])
-    m, n = soft_tokens.count, soft_tokens.ensembles
-    smallest = 1 + (m if static else 1) * n  # the root and its soft-token copies
-    if rows < smallest:
-        raise TooFewRows(f"--tree-rows {rows} cannot hold the root and its soft tokens ({m} soft tokens "
-                        f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
-    return PPDDrafter(model, soft_tokens, best_dynamic_sparse_tree(meta["accuracy"], rows, m, n, dynamic=not static))
+    with artifacts.unpacking(path, "ppd"):
+        embeddings = tensors["embeddings"]
+        if embeddings.dim() != 3 or embeddings.shape[-1] != model.config.hidden_size:
+            raise ValueError(f"embeddings of shape {tuple(embeddings.shape)}, not [m, n, {model.config.hidden_size}]")
+        soft_tokens = SoftTokens(embeddings)
+        m, n = soft_tokens.count, soft_tokens.ensembles
+        smallest = 1 + (m if static else 1) * n  # the root and its soft-token copies
+        if rows < smallest:
+            raise TooFewRows(f"--tree-rows {rows} cannot hold the root and its soft tokens ({m} soft tokens "
+                             f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
+        tree = best_dynamic_sparse_tree(meta["accuracy"], rows, m, n, dynamic=not static)
+        return PPDDrafter(model, soft_tokens, tree)
 
 
 # ---- the dynamic sparse tree (section 4) ---------------------------------------------------------

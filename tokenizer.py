@@ -28,7 +28,7 @@ class Tokenizer:
         else:
             raise UserError(f"{folder} has no tokenizer.json or tokenizer.model")
         self.vocab_size = self.backend.vocab_size
-        self.chat_template = self.config.get("chat_template")
+        self.chat_template = chat_template(self.config, folder)
         self.eos_ids = stop_token_ids(folder, self)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
@@ -48,7 +48,8 @@ class Tokenizer:
     def special_token(self, name: str) -> str | None:
         """The string of a special token named in tokenizer_config.json ("bos_token", ...)."""
         value = self.config.get(name)
-        return value.get("content") if isinstance(value, dict) else value
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
 
     def chat_prompt(self, user_text: str) -> str:
         """The prompt as the chat template renders one user turn, ready for the assistant's reply."""
@@ -66,13 +67,28 @@ class Tokenizer:
         return self.encode(self.chat_prompt(text))
 
 
+def chat_template(config: dict, folder: Path) -> str | None:
+    """tokenizer_config.json's chat template: a string, or a list of named ones (the "default" one)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str | None):
+        raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string, or a list "
+                        'of {"name", "template"} objects with a "default" one')
+    return template
+
+
 def read_json_if_exists(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON
         raise UserError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(found, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return found
 
 
 def stop_token_ids(folder: Path, tokenizer: "Tokenizer") -> set[int]:
@@ -81,7 +97,11 @@ def stop_token_ids(folder: Path, tokenizer: "Tokenizer") -> set[int]:
     for name in ("generation_config.json", "config.json"):
         eos = read_json_if_exists(folder / name).get("eos_token_id")
         if eos is not None:
-            return set(eos) if isinstance(eos, list) else {eos}
+            ids = eos if isinstance(eos, list) else [eos]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tokenizer.vocab_size for i in ids):
+                raise UserError(f"{folder / name}: eos_token_id must be a token id (0..{tokenizer.vocab_size - 1}) "
+                                f"or a list of them, got {json.dumps(eos)}")
+            return set(ids)
     eos_text = tokenizer.special_token("eos_token")
     return {tokenizer.backend.token_to_id(eos_text)} if eos_text else set()
 

@@ -25,6 +25,7 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 import argparse
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from apar_finetune import (ADAPTED_LINEARS, AparAdapter, apar_evaluation, apar_e
                            require_tied_embeddings)
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
-from errors import OneLineErrorParser, UserError
+from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program
 from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
@@ -46,6 +47,8 @@ from self_distill import generate_answers, training_prompts
 from tokenizer import Tokenizer
 
 VALIDATION_EVERY = 10  # every 10th answer is held out: accuracies and tree statistics come from these
+MAX_HEADS = 7
+LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train nothing, silently
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -97,8 +100,8 @@ def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, to
         saved = load_file(path)
         return saved["hidden"], saved["targets"]
     hidden, targets = answer_features(model, records)
-    save_file({"hidden": hidden.contiguous(), "targets": targets.contiguous()}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
+    with artifacts.written_atomically(path) as tmp:
+        save_file({"hidden": hidden.contiguous(), "targets": targets.contiguous()}, tmp)
     return hidden, targets
 
 
@@ -159,8 +162,8 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
     resume = cache_root() / "train" / f"{args.out.name}.resume.pt"
     step = 0
-    if resume.is_file():
-        state = torch.load(resume, weights_only=True)
+    state = read_resume_point(resume)
+    if state is not None:
         if state["settings"] == settings(args):
             module.load_state_dict(state["module"])
             optimizer.load_state_dict(state["optimizer"])
@@ -184,10 +187,22 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
               f"{tokens / elapsed:.0f} tokens/s  ETA {eta / 60:.1f} min   ", end="", file=sys.stderr, flush=True)
         if step % args.save_every == 0 or step == total_steps:
             resume.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"settings": settings(args), "step": step, "module": module.state_dict(),
-                        "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, resume)
+            with artifacts.written_atomically(resume) as tmp:
+                torch.save({"settings": settings(args), "step": step, "module": module.state_dict(),
+                            "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, tmp)
     print(file=sys.stderr)
     args.final_loss = sum(recent) / max(len(recent), 1)
+
+
+def read_resume_point(path: Path) -> dict | None:
+    """A saved resume point, or None: there is none, or it cannot be read (then training starts over)."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # torch.load raises many kinds on a damaged file; starting over is always safe
+        print(f"ignoring the unreadable resume point {path} ({type(err).__name__}); starting over", file=sys.stderr)
+        return None
 
 
 def settings(args) -> dict:
@@ -200,59 +215,64 @@ def settings(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="train_prompt.py", description=__doc__.split("\n\n")[0],
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=DefaultsHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa,apar}")
 
     def command(name, summary, training=True, records=480, max_new_tokens=192, max_prompt_tokens=192, epochs=1):
         """A subcommand with the options all share, at this subcommand's defaults (each gets its own
         options: argparse's set_defaults on a subcommand would change a shared parent's for all)."""
-        sub = commands.add_parser(name, help=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub = commands.add_parser(name, help=summary, formatter_class=DefaultsHelpFormatter)
         sub.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face Llama checkpoint folder "
                          "(default: the embedded SmolLM2-135M-Instruct)")
-        sub.add_argument("--records", type=int, default=records, help="ShareGPT prompts to answer (every "
-                         f"{VALIDATION_EVERY}th is held out)")
-        sub.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="longest self-distilled answer")
-        sub.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens,
-                         help="longer ShareGPT prompts are skipped")
+        sub.add_argument("--records", type=integer(VALIDATION_EVERY, 100_000), default=records,
+                         help=f"ShareGPT prompts to answer, {VALIDATION_EVERY}..100000 (every {VALIDATION_EVERY}th "
+                              "is held out)")
+        sub.add_argument("--max-new-tokens", type=integer(1, 4096), default=max_new_tokens,
+                         help="longest self-distilled answer, 1..4096 tokens")
+        sub.add_argument("--max-prompt-tokens", type=integer(1, 4096), default=max_prompt_tokens,
+                         help="longer ShareGPT prompts are skipped (1..4096)")
         if training:
             sub.add_argument("--out", type=Path, help="where to write NAME.safetensors and NAME.json "
                              "(default: trained/<method>-<model folder>)")
-            sub.add_argument("--epochs", type=int, default=epochs, help="passes over the training answers")
-            sub.add_argument("--seed", type=int, default=0, help="initialisation and data order")
-            sub.add_argument("--save-every", type=int, default=25, help="steps between resume points")
+            sub.add_argument("--epochs", type=integer(1, 1000), default=epochs,
+                             help="passes over the training answers, 1..1000")
+            sub.add_argument("--seed", type=integer(0, 2**63 - 1), default=0, help="initialisation and data order")
+            sub.add_argument("--save-every", type=integer(1, 1_000_000), default=25, help="steps between resume points")
         return sub
 
     command("data", "generate the self-distilled answers only", training=False)
     ppd = command("ppd", "train PPD's soft-token embeddings (the paper's prompt tokens)")
-    ppd.add_argument("--soft-tokens", type=int, default=3, help="m: soft tokens (distances 1..m)")
-    ppd.add_argument("--ensembles", type=int, default=1, help="n: EPTs per soft token")
-    ppd.add_argument("--insertions", type=int, default=32, help="insertion points per answer per step")
-    ppd.add_argument("--lr", type=float, default=0.01, help="peak learning rate (cosine to 0)")
+    ppd.add_argument("--soft-tokens", type=integer(1, TOP_RANKS), default=3,
+                     help=f"m: soft tokens (distances 1..m), 1..{TOP_RANKS}")
+    ppd.add_argument("--ensembles", type=integer(1, 16), default=1, help="n: EPTs per soft token, 1..16")
+    ppd.add_argument("--insertions", type=integer(1, 1024), default=32,
+                     help="insertion points per answer per step, 1..1024")
+    ppd.add_argument("--lr", type=LEARNING_RATE, default=0.01, help="peak learning rate (cosine to 0)")
     # an epoch is a few minutes once the hidden states are cached
     medusa = command("medusa", "train Medusa heads", epochs=4)
-    medusa.add_argument("--heads", type=int, default=3, help="K: heads (distances 1..K)")
-    medusa.add_argument("--batch-tokens", type=int, default=256, help="answer positions per step")
-    medusa.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to 0)")
+    medusa.add_argument("--heads", type=integer(1, MAX_HEADS), default=3,
+                        help=f"K: heads (distances 1..K), 1..{MAX_HEADS}")
+    medusa.add_argument("--batch-tokens", type=integer(1, 65536), default=256,
+                        help="answer positions per step, 1..65536")
+    medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
                    "data: half list-style prompts)", records=112, max_new_tokens=448, max_prompt_tokens=128, epochs=2)
-    apar.add_argument("--rank", type=int, default=8, help="rank of the low-rank (LoRA) updates")
-    apar.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0)")
+    apar.add_argument("--rank", type=integer(1, 256), default=8, help="rank of the low-rank (LoRA) updates, 1..256")
+    apar.add_argument("--lr", type=LEARNING_RATE, default=3e-3, help="peak learning rate (cosine to 0)")
     return p
 
 
-def check(args) -> None:
-    positive = ["records", "max_new_tokens", "max_prompt_tokens", "epochs", "save_every", "soft_tokens",
-                "ensembles", "insertions", "heads", "batch_tokens", "rank"]
-    for name in positive:
-        if getattr(args, name, 1) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if getattr(args, "lr", 1) <= 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
-    if args.records < VALIDATION_EVERY:
-        raise UserError(f"--records must be at least {VALIDATION_EVERY} (every {VALIDATION_EVERY}th is held out)")
-    if getattr(args, "heads", 1) > 7 or getattr(args, "soft_tokens", 1) > TOP_RANKS:
-        raise UserError("at most 7 heads / 10 soft tokens")
+def writable_out(path: Path) -> Path:
+    """Where the artifact goes, checked before hours of training: its folder exists or can be made,
+    and a file can be written there."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:
+        raise UserError(f"cannot write --out {path} ({err.strerror}); choose a path in a writable folder") from None
+    return path
 
 
 def outcome(made: dict) -> str:
@@ -264,37 +284,35 @@ def outcome(made: dict) -> str:
 
 
 def main(argv=None) -> int:
+    return run_program(lambda: train_command(argv), interrupted="run the same command again to resume")
+
+
+def train_command(argv) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        check(args)
-        folder = args.model if args.model is not None else default_model_dir()
-        model = load_checkpoint(folder, torch.float32)
-        model.requires_grad_(False)
-        tokenizer = Tokenizer(folder)
-        training, held_out = answers(model, tokenizer, folder, args)
-        if args.command == "data":
-            return 0
-        args.out = args.out or artifacts.shipped_artifact(args.command, folder)
-        started = time.perf_counter()
-        train = {"ppd": train_ppd, "medusa": train_medusa, "apar": train_apar}[args.command]
-        tensors, made = train(model, tokenizer, training, held_out, args)
-        meta = {"kind": args.command, "model": artifacts.model_fingerprint(model), **made,
-                "trainable_parameters": sum(t.numel() for t in tensors.values()),
-                "training": {"command": "python train_prompt.py " + " ".join(argv or sys.argv[1:]),
-                             "settings": settings(args), "training_answers": len(training),
-                             "held_out_answers": len(held_out),
-                             "training_tokens": sum(len(r["answer_ids"]) for r in training),
-                             "final_loss": round(args.final_loss, 4),
-                             "seconds": round(time.perf_counter() - started, 1)}}
-        artifacts.save(args.out, tensors, meta)
-        print(f"saved {args.out}.safetensors and .json; " + outcome(made), file=sys.stderr)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return 0
+    if args.command == "ppd" and args.ensembles * args.soft_tokens > 64:
+        raise UserError("--soft-tokens x --ensembles must be at most 64 (inputs per node)")
+    folder = args.model if args.model is not None else default_model_dir()
+    if args.command != "data":
+        args.out = writable_out(args.out or artifacts.shipped_artifact(args.command, folder))
+    model = load_checkpoint(folder, torch.float32)
+    model.requires_grad_(False)
+    tokenizer = Tokenizer(folder)
+    training, held_out = answers(model, tokenizer, folder, args)
+    if args.command == "data":
+        return
+    started = time.perf_counter()
+    train = {"ppd": train_ppd, "medusa": train_medusa, "apar": train_apar}[args.command]
+    tensors, made = train(model, tokenizer, training, held_out, args)
+    meta = {"kind": args.command, "model": artifacts.model_fingerprint(model), **made,
+            "trainable_parameters": sum(t.numel() for t in tensors.values()),
+            "training": {"command": "python train_prompt.py " + " ".join(argv or sys.argv[1:]),
+                         "settings": settings(args), "training_answers": len(training),
+                         "held_out_answers": len(held_out),
+                         "training_tokens": sum(len(r["answer_ids"]) for r in training),
+                         "final_loss": round(args.final_loss, 4),
+                         "seconds": round(time.perf_counter() - started, 1)}}
+    artifacts.save(args.out, tensors, meta)
+    print(f"saved {args.out}.safetensors and .json; " + outcome(made), file=sys.stderr)
 
 
 if __name__ == "__main__":

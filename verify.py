@@ -33,6 +33,7 @@ only as the explicit `--acceptance typical`.
 Pure functions of a tree and its logits, no model code.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,8 @@ class TypicalAcceptance:
     delta: float = 0.3  # scales exp(-entropy): a flat p (high entropy) lowers the bar
 
     def __post_init__(self):
-        if not 0 < self.epsilon <= 1 or not self.delta > 0:
-            raise UserError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, "
+        if not 0 < self.epsilon <= 1 or not 0 < self.delta < math.inf:
+            raise UserError(f"typical acceptance needs 0 < epsilon <= 1 and a finite delta > 0, "
                             f"got epsilon {self.epsilon} and delta {self.delta}")
 
     def thresholds(self, probs: torch.Tensor) -> torch.Tensor:

@@ -95,15 +95,15 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
     (["--top-p", "1.5"], ["top-p"]),
     (["--temperature", "-1"], ["temperature"]),
     (["--prompt", "   "], ["empty"]),
-    (["--method", "anpd", "--ngram-k", "0"], ["draft length K", "1..128"]),
-    (["--method", "anpd", "--ngram-n", "1"], ["order N", "2..32"]),
-    (["--method", "lookahead", "--decoding-length", "0"], ["decoding length"]),
-    (["--method", "lookahead", "--branch-length", "100"], ["branch length"]),
+    (["--method", "anpd", "--ngram-k", "0"], ["--ngram-k", "1..128"]),
+    (["--method", "anpd", "--ngram-n", "1"], ["--ngram-n", "2..32"]),
+    (["--method", "lookahead", "--decoding-length", "0"], ["--decoding-length", "1..256"]),
+    (["--method", "lookahead", "--branch-length", "100"], ["--branch-length", "1..64"]),
     (["--method", "lookahead", "--lookahead-mode", "diagonal"], ["--lookahead-mode"]),
     (["--top-p", "0"], ["top-p"]),
     (["--method", "speculative", "--draft-layers", "1", "--gamma", "0"], ["gamma", "1..64"]),
     (["--method", "speculative", "--draft-layers", "2"], ["between 1 and 1"]),  # the model has 2
-    (["--method", "speculative", "--draft-layers", "0"], ["between 1 and 1"]),
+    (["--method", "speculative", "--draft-layers", "0"], ["--draft-layers", "1.."]),
     (["--method", "anpd", "--draft-layers", "1"], ["--draft-layers", "--method speculative"]),
     (["--method", "speculative", "--ngram-k", "3"], ["--ngram-k", "--method anpd"]),
     (["--method", "anpd", "--acceptance", "typical"], ["--temperature"]),
@@ -112,14 +112,14 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
      ["epsilon"]),
     (["--method", "speculative", "--draft-model", "/nonexistent/draft"], ["does not exist"]),
     (["--method", "anpd", "--prompt", ""], ["empty"]),
-    (["--method", "ppd", "--tree-rows", "1"], ["--tree-rows", "at least 2"]),
+    (["--method", "ppd", "--tree-rows", "1"], ["--tree-rows", "2..256"]),
     (["--method", "medusa", "--static-tree"], ["--static-tree", "--method ppd"]),
     (["--method", "anpd", "--tree-rows", "8"], ["--tree-rows", "--method medusa and ppd"]),
     (["--method", "ppd", "--trained", "/nonexistent/ppd"], ["no ppd artifact", "train_prompt.py ppd"]),
     (["--method", "medusa"], ["no medusa artifact at", "medusa-tiny", "train_prompt.py medusa"]),
     (["--method", "ppd", "--trained", str(ROOT / "trained" / "ppd-SmolLM2-135M-Instruct")],
-     ["hidden_size 576", "this model has 32", "train_prompt.py ppd"]),  # the shipped one: SmolLM2's
-    (["--calibrate"], ["--calibrate", "vanilla"]),
+     ["hidden_size 576 there, 32 here", "train_prompt.py ppd"]),  # the shipped one: SmolLM2's
+    (["--calibrate"], ["--calibrate", "anpd, lookahead"]),
     (["--method", "anpd", "--calibrate"], ["--calibrate", "no --prompt"]),
 ])
 def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):
@@ -163,7 +163,7 @@ def test_show_accepts_marks_the_accepted_guesses(capsys, default_model_dir):
     argv = ["--max-new-tokens", "40", "--prompt", "Repeat this line twice: the cat sat on the mat."]
     code, out, err = run_cli(capsys, "--method", "anpd", "--show-accepts", *argv)
     assert code == 0
-    accepted = int(err.split("guesses accepted ")[1].split("/")[0])
+    accepted = int(err.split("per pass (")[1].split(" of ")[0])
     assert accepted > 0 and "⟦" in out and out.count("⟦") == out.count("⟧")
     code, vanilla_out, _ = run_cli(capsys, *argv)
     assert out.replace("⟦", "").replace("⟧", "") == vanilla_out  # marks added, nothing else changed

@@ -185,7 +185,7 @@ def test_artifacts_round_trip_and_refuse_another_model(tmp_path):
     assert torch.equal(tensors["embeddings"], embeddings) and loaded == meta
     drafter = load_drafter(model, tmp_path / "ppd-tiny", 8)
     assert isinstance(drafter, PPDDrafter)
-    for wrong, message in [(wider, "hidden_size"), (bigger_vocab, "vocab_size"), (other, "another model")]:
+    for wrong, message in [(wider, "hidden_size"), (bigger_vocab, "vocab_size"), (other, "same shape with other weights")]:
         with pytest.raises(UserError, match=message):
             artifacts.load(tmp_path / "ppd-tiny", "ppd", wrong)
     with pytest.raises(UserError, match="not 'medusa'"):

@@ -39,14 +39,25 @@ def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["ppd", "--epochs", "0"], "--epochs"), (["medusa", "--lr", "0"], "--lr"),
-    (["ppd", "--records", "5"], "--records"), (["medusa", "--heads", "9"], "at most 7 heads"),
+    (["ppd", "--epochs", "0"], "--epochs"), (["medusa", "--lr", "0"], "--lr"), (["ppd", "--lr", "nan"], "--lr"),
+    (["apar", "--lr", "inf"], "--lr"), (["ppd", "--records", "5"], "--records"), (["medusa", "--heads", "9"], "1..7"),
+    (["ppd", "--epochs", "1" + "0" * 30], "--epochs"), (["ppd", "--soft-tokens", "8", "--ensembles", "16"], "64"),
 ])
 def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
-    assert train_prompt.main(argv) == 1
+    try:
+        code = train_prompt.main(argv)
+    except SystemExit as exit:  # a usage error (argparse)
+        code = exit.code
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and fragment in err and "Traceback" not in err
+    assert code != 0 and err.count("error:") == 1 and fragment in err and "Traceback" not in err
 
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert train_prompt.main(["ppd", "--out", str(tmp_path / "a-file" / "ppd")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "cannot write --out" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing left behind
 
 
 def test_each_subcommand_has_its_own_defaults():
