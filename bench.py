@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 
 import apar

@@ -135,12 +135,12 @@ def flag(dest: str) -> str:
 
 def check_args(args, parser) -> None:
     method = METHODS[args.method]
-    acts_only = ACTS_ONLY | {dest: (lambda args, dest=dest: args.method in methods_taking(dest),
-                                    "--method " + " and ".join(methods_taking(dest)))
-                             for dest in OPTIONS}
+    rules = [(dest, lambda args, dest=dest: args.method in methods_taking(dest),
+              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS]  # first: the method's
+    rules += [(dest, acts, where) for dest, (acts, where) in ACTS_ONLY.items()]
     if method.size is not None:  # --calibrate tries every size itself
-        acts_only[method.size.option] = (decoding_prompts, "decoding prompts (--calibrate tries every size)")
-    for dest, (acts, where) in acts_only.items():
+        rules.append((method.size.option, decoding_prompts, "decoding prompts (--calibrate tries every size)"))
+    for dest, acts, where in rules:
         if getattr(args, dest) != parser.get_default(dest) and not acts(args):
             raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
     if args.acceptance == "typical" and not method.guesses:

@@ -32,6 +32,7 @@ has its own engine (apar.py).
 import sys
 from dataclasses import dataclass, field
 
+import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 
 from drafters import Drafter, Request

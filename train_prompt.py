@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file

@@ -65,3 +65,20 @@ def test_tiny_checkpoints_match_transformers(tmp_path_factory, layers, kv_heads,
         # transformers computes RMSNorm and RoPE angles in float32 even in a float64 model, which
         # moves these logits by ~1e-5; a wrong layout, GQA grouping or scaling moves them by ~1
         assert torch.allclose(full_logits(ours, sequence.tolist()), expected, atol=1e-4, rtol=0)
+
+
+def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, default_model_dir):
+    """Trained parts check the checkpoint they were made for: loading it in bfloat16 must not make it
+    "another model" (the fingerprint once hashed the rounded weights), while other weights must."""
+    import medusa
+    from artifacts import shipped_artifact
+
+    folder = write_checkpoint(tmp_path / "a", tiny_hf_config())
+    other = write_checkpoint(tmp_path / "b", tiny_hf_config(), seed=1)
+    prints = {dtype: load_checkpoint(folder, dtype).fingerprint
+              for dtype in (torch.float32, torch.bfloat16, torch.float64)}
+    assert len({str(p) for p in prints.values()}) == 1
+    assert load_checkpoint(other).fingerprint != prints[torch.float32]
+    model = load_checkpoint(default_model_dir, torch.bfloat16)
+    drafter = medusa.load_drafter(model, shipped_artifact("medusa", default_model_dir), 6)  # not refused
+    assert drafter.predicted_tokens_per_pass > 1
