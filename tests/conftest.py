@@ -25,6 +25,9 @@ from tree import Tree  # noqa: E402
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# For properties that cost milliseconds per example: at least 200 examples, whatever the profile (25
+# let a planted mistake through once; tests/test_mutants.py keeps checking that they catch them).
+cheap = settings(max_examples=max(settings.default.max_examples, 200))
 
 
 def tiny_hf_config(layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, tied=False, **extra) -> dict:

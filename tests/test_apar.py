@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 import apar
 from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
 from cli import main
-from conftest import random_model, tiny_hf_config, tiny_model
+from conftest import cheap, random_model, tiny_hf_config, tiny_model
 from model import causal_mask
 
 VOCAB, EOS = 64, 2
@@ -97,6 +97,7 @@ shapes = st.recursive(st.tuples(st.integers(0, 3), st.none(), st.none()),
 
 
 
+@cheap  # milliseconds per example
 @given(shape=shapes)
 def test_restore_is_root_then_first_child_then_next_sibling(shape):
     root = random_paragraph_tree(shape, iter(range(10**6)))

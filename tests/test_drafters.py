@@ -4,6 +4,7 @@ Lookahead trie's counts and invariants under random insert / eliminate / prune s
 import pytest
 from hypothesis import given, strategies as st
 
+from conftest import cheap
 from drafters import MultiLevelNGram, NGramDrafter, Request, Trie, TrieDrafter
 from errors import UserError
 
@@ -23,13 +24,33 @@ def naive_ngram_query(seen, context, n):
     return None
 
 
-@given(tokens, st.lists(tokens, max_size=5), st.integers(2, 6))
-def test_ngram_queries_match_a_naive_scan(seen, queries, n):
+@st.composite
+def text_and_queries(draw):
+    """Text over a small alphabet (so contexts repeat at every level) and queries: random token
+    lists, and contexts cut from the text itself, which match at several levels at once."""
+    seen = draw(st.lists(st.integers(0, 3), max_size=60))
+    cuts = st.tuples(st.integers(0, len(seen)), st.integers(1, 6)).map(lambda c: seen[max(c[0] - c[1], 0):c[0]])
+    return seen, draw(st.lists(tokens | cuts, max_size=6))
+
+
+@cheap  # milliseconds per example
+@given(text_and_queries(), st.integers(2, 6))
+def test_ngram_queries_match_a_naive_scan(text, n):
+    seen, queries = text
     ngrams = MultiLevelNGram(n)
     for end in range(len(seen)):
         ngrams.add(seen, end)
         for query in queries:  # the table must be right after every update, not only at the end
             assert ngrams.query(query) == naive_ngram_query(seen[:end + 1], query, n)
+
+
+def test_the_longest_matching_context_wins():
+    ngrams = MultiLevelNGram(3)
+    seen = [1, 2, 3, 5, 2, 4, 6, 2, 4]  # after (1, 2): 3; after (2,): 4 twice, 3 once
+    for end in range(len(seen)):
+        ngrams.add(seen, end)
+    assert ngrams.query([1, 2]) == 3, "the bigram context (1, 2) must win over the unigram (2,)"
+    assert ngrams.query([7, 2]) == 4
 
 
 def test_anpd_drafts_a_chain_from_the_longest_match():
@@ -93,6 +114,7 @@ requests = st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=2
                     min_size=1, max_size=4)
 
 
+@cheap  # milliseconds per example
 @given(requests, st.integers(1, 5))
 def test_trie_counts_equal_occurrences_without_pruning(request_list, depth):
     trie = Trie(depth)
@@ -115,6 +137,7 @@ def test_trie_counts_equal_occurrences_without_pruning(request_list, depth):
         assert_trie_invariants(trie)
 
 
+@cheap  # milliseconds per example
 @given(requests, st.integers(1, 5), st.integers(0, 30))
 def test_trie_invariants_with_pruning(request_list, depth, capacity):
     trie = Trie(depth)

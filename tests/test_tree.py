@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import VOCAB_OF_TREES, accuracy_tables, path_to, trees
+from conftest import VOCAB_OF_TREES, accuracy_tables, cheap, path_to, trees
 from tree import Tree, best_sparse_tree, expected_accepted
 
 
@@ -20,6 +20,7 @@ def ancestors_or_self(tree, node):
     return found
 
 
+@cheap  # milliseconds per example
 @given(trees(), st.integers(0, 50))
 def test_mask_and_positions_are_those_of_the_tree(tree, cached):
     mask = tree.attention_mask(cached)
@@ -40,6 +41,7 @@ branches = st.lists(st.lists(st.integers(0, VOCAB_OF_TREES - 1), min_size=1, max
 
 
 
+@cheap  # milliseconds per example
 @given(branches, st.integers(0, 40))
 def test_merged_branches_share_prefixes_and_keep_every_branch(branch_list, budget):
     tree = Tree.from_branches(9, branch_list, budget, merge=True)

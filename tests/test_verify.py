@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import verify as verify_module
-from conftest import VOCAB_OF_TREES, chi_square_p_value, path_to, trees
+from conftest import VOCAB_OF_TREES, chi_square_p_value, cheap, path_to, trees
 from sampling import Sampling, target_probs
 from tree import Tree
 from verify import Chance, TypicalAcceptance, verify, verify_greedy, verify_speculative, verify_typical
@@ -28,6 +28,7 @@ VOCAB = 3
 
 # ---- greedy ---------------------------------------------------------------------------------------
 
+@cheap  # milliseconds per example
 @given(trees(), st.data())
 def test_greedy_verification_accepts_the_longest_greedy_path(tree, data):
     logits = torch.tensor(data.draw(st.lists(
