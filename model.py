@@ -107,9 +107,10 @@ class LlamaConfig:
 REQUIRED = object()
 
 
-def config_entry(hf: dict, key: str, kind: type, default=REQUIRED):
+def config_entry(hf: dict, key: str, kind: type, default=REQUIRED, within: str = ""):
     """hf[key] (or `default` when it is absent or null), checked: a positive whole number (int), a
-    positive finite number (float), true/false (bool), or an object (dict)."""
+    positive finite number (float), true/false (bool), or an object (dict); `within` names the object
+    that holds it in messages ("rope_scaling.")."""
     value = hf.get(key)
     if value is None and default is not REQUIRED:
         return default
@@ -124,7 +125,7 @@ def config_entry(hf: dict, key: str, kind: type, default=REQUIRED):
     else:
         ok, wanted = isinstance(value, dict), "an object {...}"
     if not ok:
-        raise UserError(f"config.json: {key} must be {wanted}, got {json.dumps(value)}")
+        raise UserError(f"config.json: {within}{key} must be {wanted}, got {json.dumps(value)}")
     return float(value) if kind is float else value
 
 
@@ -163,7 +164,7 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     if kind not in ROPE_SCALING_KEYS:
         raise UserError(f"rope_scaling type {kind!r} is not supported (only 'linear' and 'llama3')")
     for key in ROPE_SCALING_KEYS[kind]:
-        config_entry(scaling, key, float)
+        config_entry(scaling, key, float, within="rope_scaling.")
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
@@ -356,7 +357,7 @@ def room_for_new_tokens(model: Llama, prompt_ids: list[int], max_new_tokens: int
     if not prompt_ids:
         raise UserError("the prompt is empty")
     if len(prompt_ids) >= context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context} (shorten it)")
     return min(max_new_tokens, context - len(prompt_ids))
 
 
