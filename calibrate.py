@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from artifacts import model_fingerprint
+from artifacts import model_fingerprint, written_atomically
 from convert import cache_root
 from decode import generate
 from errors import TooFewRows
@@ -89,13 +89,20 @@ def calibration_file():
 
 def saved_rows(model, method: str) -> int | None:
     """The tree size --calibrate chose for `method` on this machine, dtype and model (None: never)."""
-    path = calibration_file()
-    if not path.is_file():
-        return None
     try:
-        return json.loads(path.read_text())[machine_key(model)][method]["rows"]
-    except (KeyError, ValueError, TypeError):
+        rows = read_calibrations()[machine_key(model)][method]["rows"]
+    except (KeyError, TypeError):
         return None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and max(ROWS) >= rows >= 2 else None
+
+
+def read_calibrations() -> dict:
+    """Every saved calibration; {} when there is none or the file is damaged (calibrating again fixes it)."""
+    try:
+        saved = json.loads(calibration_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def calibrated_rows(model, method: str, default: int) -> int:
@@ -109,12 +116,13 @@ def calibrated_rows(model, method: str, default: int) -> int:
 
 def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
     path = calibration_file()
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    saved.setdefault(machine_key(model), {})[method] = {"rows": rows, "table": table}
+    saved = read_calibrations()
+    if not isinstance(saved.get(machine_key(model)), dict):
+        saved[machine_key(model)] = {}
+    saved[machine_key(model)][method] = {"rows": rows, "table": table}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(saved, indent=2) + "\n")
-    tmp.replace(path)
+    with written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
 
 
 def tokens_per_pass(model, tokenizer, make_drafter, rows: int, raw: bool = False) -> float | None:

@@ -234,3 +234,19 @@ def test_an_artifact_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         artifacts.save(tmp_path / "ppd", {"embeddings": torch.zeros(1, 1, 4)}, {"kind": "ppd"})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"KEY": {"ppd": {"rows": 100000}}}',
+                                     '{"KEY": {"ppd": {"rows": "6"}}}', '{"KEY": []}'])
+def test_a_damaged_calibration_file_is_ignored_and_rewritten(tmp_path, monkeypatch, content):
+    """A calibration that cannot be read, or holds a size no method can use, is not used: the
+    default size is, and --calibrate writes a good file over it."""
+    import calibrate
+    from conftest import tiny_model
+
+    model = tiny_model()
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calibrate.calibration_file().write_text(content.replace("KEY", calibrate.machine_key(model)))
+    assert calibrate.calibrated_rows(model, "ppd", default=6) == 6
+    calibrate.save_rows(model, "ppd", 8, [])
+    assert calibrate.calibrated_rows(model, "ppd", default=6) == 8
