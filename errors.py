@@ -59,25 +59,37 @@ def run_program(main: Callable[[], int | None], interrupted: str = "") -> int:
         return main() or 0
     except UserError as err:
         report(str(err))
-    except KeyboardInterrupt:
-        report("interrupted (Ctrl-C)" + (f"; {interrupted}" if interrupted else ""))
-        return INTERRUPTED
     except BrokenPipeError:  # the reader of stdout went away (`| head`): stop writing, quietly for it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail
         report("standard output was closed before the answer was complete (piped into head?)")
     except MemoryError:
         report("out of memory; try a shorter --max-new-tokens, fewer inputs per pass, or --dtype bfloat16")
-    except OSError as err:  # a file or folder the machine would not let us read or write
-        where = f" ({err.filename})" if err.filename else ""
+    except BaseException as err:  # Ctrl-C (or an error it caused), a file problem, else a bug or an exit
+        if caused_by_ctrl_c(err):
+            report("interrupted (Ctrl-C)" + (f"; {interrupted}" if interrupted else ""))
+            return INTERRUPTED
+        if not isinstance(err, OSError):
+            raise  # argparse's exit, or a bug: its traceback is the report
+        where = f" ({err.filename})" if err.filename else ""  # a file or folder we may not read or write
         report(f"{err.strerror or err}{where}; check that the path exists, is writable and has free space")
     return 1
+
+
+def caused_by_ctrl_c(error: BaseException | None) -> bool:
+    """Whether Ctrl-C is behind `error`: a KeyboardInterrupt raised inside a library, say while a
+    C extension initialises, can reach us as an ImportError or SystemError that it caused."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def print_interrupt_as_one_line(hook: Callable) -> Callable:
     """A sys.excepthook that prints Ctrl-C outside run_program (while torch is imported, say) as one
     line, and hands every other exception to `hook`."""
     def excepthook(kind, value, traceback):
-        if issubclass(kind, KeyboardInterrupt):
+        if caused_by_ctrl_c(value):
             report("interrupted (Ctrl-C)")
         else:
             hook(kind, value, traceback)

@@ -185,7 +185,7 @@ def test_ctrl_c_while_importing_is_one_line(world):
         time.sleep(0.01)  # until torch's import has begun (a Ctrl-C before Python has read a line of
     process.send_signal(signal.SIGINT)  # ours is Python's own business)
     err = process.communicate(timeout=60)[1].decode()
-    assert process.returncode != 0 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error:")
+    assert process.returncode != 0 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error:"), err
 
 
 def test_ctrl_c_while_decoding_is_one_line(capsys, monkeypatch, world):
@@ -250,3 +250,16 @@ def test_a_damaged_calibration_file_is_ignored_and_rewritten(tmp_path, monkeypat
     assert calibrate.calibrated_rows(model, "ppd", default=6) == 6
     calibrate.save_rows(model, "ppd", 8, [])
     assert calibrate.calibrated_rows(model, "ppd", default=6) == 8
+
+
+def test_an_error_that_ctrl_c_caused_is_an_interrupt(capsys):
+    """Ctrl-C inside a C extension's import reaches us as the ImportError it caused."""
+    def importing():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("initialization of _C raised unreported exception")
+    assert errors.run_program(importing) == errors.INTERRUPTED
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        errors.run_program(lambda: 1 / 0)
