@@ -63,6 +63,15 @@ def test_prompt_file_runs_every_prompt(capsys, tiny_folder, tmp_path):
     assert code == 0 and len(out.splitlines()) == 2
 
 
+def test_streamed_answers_of_a_prompt_file_are_separated(capsys, tiny_folder, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the dog"}\n\n{"prompt": "over the"}\n')
+    code, out, _ = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt-file", str(prompts),
+                           "--max-new-tokens", "3")
+    headers = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert code == 0 and headers == [f"--- {prompts}:1 ---", f"--- {prompts}:3 ---"]
+
+
 def test_streams_text_and_prints_a_summary(capsys, tiny_folder):
     code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "the",
                              "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "1")
