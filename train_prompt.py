@@ -40,7 +40,7 @@ from apar_finetune import (ADAPTED_LINEARS, AparAdapter, apar_evaluation, apar_e
                            require_tied_embeddings)
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
-from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program
+from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, unwritable
 from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
@@ -272,7 +272,7 @@ def writable_out(path: Path) -> Path:
         with tempfile.TemporaryFile(dir=path.parent):
             pass
     except OSError as err:
-        raise UserError(f"cannot write --out {path} ({err.strerror}); choose a path in a writable folder") from None
+        raise UserError(f"cannot write --out {path} ({unwritable(path, err)}); choose a path in a writable folder") from None
     return path
 
 

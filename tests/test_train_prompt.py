@@ -56,7 +56,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_training(capsys
     (tmp_path / "a-file").write_text("")
     assert train_prompt.main(["ppd", "--out", str(tmp_path / "a-file" / "ppd")]) == 1
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "cannot write --out" in err and "Traceback" not in err
+    assert err.count("error:") == 1 and "a-file is a file, not a folder" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing left behind
 
 
