@@ -7,6 +7,7 @@ The cases run concurrently (each is a fresh Python that imports torch), then eac
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -179,7 +180,10 @@ def test_ctrl_c_while_importing_is_one_line():
     """Once `errors` is imported, an uncaught Ctrl-C is one line (its excepthook), and each program
     imports it before torch, whose import takes seconds."""
     interrupt = "import errors, os, signal; os.kill(os.getpid(), signal.SIGINT); import torch"
-    process = subprocess.run([sys.executable, "-c", interrupt], cwd=ROOT, capture_output=True, text=True)
+    # as from a terminal: a library in this test process may have left SIGINT ignored, which the child
+    # would inherit (and Python then never raises KeyboardInterrupt)
+    process = subprocess.run([sys.executable, "-c", interrupt], cwd=ROOT, capture_output=True, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.returncode != 0 and process.stderr == "error: interrupted (Ctrl-C)\n", process.stderr
     for name in ("decode.py", "train_prompt.py", "bench.py"):
         imports = [line.split()[1] for line in (ROOT / name).read_text().splitlines()
