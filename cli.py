@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sampling(args) -> bool:
+def is_sampling(args) -> bool:
     return args.temperature != 0
 
 
@@ -111,10 +111,10 @@ def decoding_prompts(args) -> bool:
 # acts only in some modes, with the test for them and what they are. (A method's own options act only
 # with that method: they are added from the registry in check_args.)
 ACTS_ONLY = {
-    "top_k": (sampling, "sampling (--temperature > 0)"),
-    "top_p": (sampling, "sampling (--temperature > 0)"),
-    "seed": (sampling, "sampling (--temperature > 0)"),
-    "acceptance": (sampling, "sampling (--temperature > 0): greedy decoding always accepts exactly the "
+    "top_k": (is_sampling, "sampling (--temperature > 0)"),
+    "top_p": (is_sampling, "sampling (--temperature > 0)"),
+    "seed": (is_sampling, "sampling (--temperature > 0)"),
+    "acceptance": (is_sampling, "sampling (--temperature > 0): greedy decoding always accepts exactly the "
                              "model's own choices"),
     "typical_epsilon": (lambda args: args.acceptance == "typical", "--acceptance typical"),
     "typical_delta": (lambda args: args.acceptance == "typical", "--acceptance typical"),
@@ -252,7 +252,7 @@ def run_calibration(args, method: Method, model, tokenizer) -> None:
     rows, table = calibrate(model, name, tau)
     save_rows(model, name, rows, table)
     size = method.size
-    print(f"best for {args.method} here: {rows} inputs per pass (--{size.option.replace('_', '-')} "
+    print(f"best for {args.method} here: {rows} inputs per pass ({flag(size.option)} "
           f"{rows - size.root}); saved as this machine's default", file=sys.stderr)
 
 

@@ -16,6 +16,7 @@ Two details are easy to get wrong:
   and merges.
 """
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -73,7 +74,7 @@ def default_model_dir() -> Path:
     stamp = read_stamp(folder)
     if stamp.get("converter_version") != CONVERTER_VERSION:
         convert_gguf(find_default_gguf(), folder)
-    elif file_sha256(folder / "model.safetensors") != stamp.get("model_sha256"):
+    elif unchanged_file_sha256(folder / "model.safetensors") != stamp.get("model_sha256"):
         raise UserError(f"the converted default model in {folder} is damaged (its weights no longer match "
                         "the checksum written when it was converted); delete that folder and run again "
                         "to convert it anew")
@@ -87,6 +88,21 @@ def read_stamp(folder: Path) -> dict:
     except (OSError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
         return {}
     return stamp if isinstance(stamp, dict) else {}
+
+
+def unchanged_file_sha256(path: Path) -> str | None:
+    """file_sha256, computed once per process while the file keeps its size and modification time
+    (the programs ask for the default model's folder several times per run)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return sha256_of_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def sha256_of_version(path: Path, size: int, modified_ns: int) -> str | None:
+    return file_sha256(path)
 
 
 def file_sha256(path: Path) -> str | None:

@@ -110,27 +110,22 @@ sys.excepthook = print_interrupt_as_one_line(sys.excepthook)
 
 def integer(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an int in low..high (a huge one is refused here, not deep in the code)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {text}")
-        return value
-    parse.__name__ = "integer"  # what argparse calls the type in its messages
-    return parse
+    return in_range(int, "a whole number", low, high, f"{low}..{high}")
 
 
 def number(low: float, high: float) -> Callable[[str], float]:
-    """An argparse type: a finite float in [low, high] (inf and nan are refused)."""
-    def parse(text: str) -> float:
+    """An argparse type: a finite float in [low, high] (inf and nan are refused: nan fails every
+    comparison)."""
+    return in_range(float, "a number", low, high, f"[{low:g}, {high:g}]")
+
+
+def in_range(convert: Callable, kind: str, low, high, shown: str) -> Callable[[str], int | float]:
+    def parse(text: str):
         try:
-            value = float(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low <= value <= high:  # also false for nan
-            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {shown}, got {text}")
         return value
-    parse.__name__ = "number"
     return parse
