@@ -49,29 +49,33 @@ latency L(T): one forward pass feeding T new tokens on 256 or 1024 cached ones, 
 """
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 
 import apar
 import bench_data
-from artifacts import load as load_artifact, shipped_artifact
-from calibrate import forward_latency
+from artifacts import load as load_artifact, shipped_artifact, written_atomically
+from calibrate import cpu_name, forward_latency
 from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from decode import generate
 from drafters import DraftModelDrafter, Drafter, NGramDrafter
-from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, integer, run_program
+from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, unwritable
 from methods import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS, build_drafter,
                      default_options)
 from model import DTYPES, load_checkpoint, parse_device
 from sampling import Sampling
 from tokenizer import Tokenizer
+from visualize import bench_figures, machine_label, save as save_figure
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Write a Python function that checks whether a string is a palindrome.",
@@ -149,7 +153,7 @@ class PromptLookupPeer:
         return new, self.passes, seconds
 
 
-def bench_methods(args, tokenizer):
+def bench_methods(args, tokenizer, report):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
@@ -174,7 +178,7 @@ def bench_methods(args, tokenizer):
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
-            print_category(dtype_name, category, tallies, args)
+            report_category(report, dtype_name, category, tallies, args)
 
 
 def warm_up(model, peer, tokenizer):
@@ -187,16 +191,16 @@ def warm_up(model, peer, tokenizer):
         peer.run(ids, warm, tokenizer.eos_ids)
 
 
-def print_category(dtype_name, category, tallies, args):
+def report_category(report, dtype_name, category, tallies, args):
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
-    print(f"\n## {category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}")
-    lines = []
-    for name, t in tallies.items():
-        lines.append([name, f"{t.new_tokens / t.forward_passes:.2f}", f"{t.new_tokens / t.seconds:.1f}",
-                     f"{speedup(t, vanilla):.2f}x",
-                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
-    print(table(["method", "tau (tokens/pass)", "tokens/s", "speedup", "output = vanilla"], lines), flush=True)
+    rows = [[name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, vanilla),
+             f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None] for name, t in tallies.items()]
+    report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}",
+                 [Column("method"), Column("tau", "tau (tokens/pass)", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
+                  Column("speedup", "speedup", "{:.2f}x"), Column("same_as_vanilla", "output = vanilla")], rows,
+                 kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
+                 new_tokens=args.new_tokens, temperature=args.temperature)
 
 
 def speedup(t: Tally, vanilla: Tally) -> float:
@@ -206,7 +210,7 @@ def speedup(t: Tally, vanilla: Tally) -> float:
 
 # ---- the draft-model method per gamma -------------------------------------------------------------
 
-def bench_speculative(args, tokenizer):
+def bench_speculative(args, tokenizer, report):
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
     prepare_tree_kernels(model)
     draft = model.first_layers(args.draft_layers)
@@ -228,43 +232,48 @@ def bench_speculative(args, tokenizer):
         print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
 
     mode = f"temperature {args.temperature}" if args.temperature else "greedy"
-    print(f"\n## speculative, draft = the model's first {args.draft_layers} layers: {len(prompts)} prompts "
-          f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, {mode}; "
-          f"c = draft step / target step = {c:.3f}")
     lines = []
     for gamma in args.gammas:
         t, (accepted, rejected) = tallies[gamma], counts[gamma]
         alpha = accepted / max(accepted + rejected, 1)
         expected_tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha) if alpha < 1 else gamma + 1.0
         per_verify = (t.new_tokens - t.prompts) / (t.forward_passes - t.prompts)  # prefill yields 1 token
-        lines.append([gamma, f"{alpha:.3f}", f"{per_verify:.2f}", f"{expected_tokens:.2f}",
-                     f"{speedup(t, tallies['vanilla']):.2f}x", f"{expected_tokens / (gamma * c + 1):.2f}x",
-                     f"{expected_tokens / (gamma * c + step[gamma + 1] / step[1]):.2f}x",
-                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else "-"])
-    print(table(["gamma", "alpha", "tokens/verify pass", "expected", "measured speedup",
-                 "Leviathan expected", "expected with L(gamma+1)/L(1)", "output = vanilla"], lines), flush=True)
+        lines.append([gamma, alpha, per_verify, expected_tokens, speedup(t, tallies["vanilla"]),
+                      expected_tokens / (gamma * c + 1), expected_tokens / (gamma * c + step[gamma + 1] / step[1]),
+                      f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None])
+    report.table(f"speculative, draft = the model's first {args.draft_layers} layers: {len(prompts)} prompts "
+                 f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, {mode}; "
+                 f"c = draft step / target step = {c:.3f}",
+                 [Column("gamma"), Column("alpha", fmt="{:.3f}"), Column("tau_per_verify", "tokens/verify pass", "{:.2f}"),
+                  Column("expected_tau", "expected", "{:.2f}"), Column("speedup", "measured speedup", "{:.2f}x"),
+                  Column("leviathan_expected", "Leviathan expected", "{:.2f}x"),
+                  Column("expected_with_latency", "expected with L(gamma+1)/L(1)", "{:.2f}x"),
+                  Column("same_as_vanilla", "output = vanilla")], lines,
+                 kind="speculative", c=c, draft_layers=args.draft_layers)
 
 
 # ---- Medusa vs PPD -------------------------------------------------------------------------------
 
-def bench_learned(args, tokenizer):
+def bench_learned(args, tokenizer, report):
     """Medusa vs PPD (dynamic and static trees) on the same budgets of inputs per pass, and the held-out
     prediction accuracy of their trained parts (PPD Table 2's layout; PPD Figure 8a's static vs
     dynamic sparse tree)."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
     prepare_tree_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
-    print("\n## trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
-          "the next one; top-k = the right token among the k best guesses)")
     lines = []
     for method, meta in metas.items():
         acc = meta["accuracy"]
-        cells = [f"{sum(acc[d][:k]):.3f}" if d < len(acc) else "-" for d in range(3) for k in (1, 5)]
         params = meta["trainable_parameters"]
-        lines.append([method, f"{params:,}", f"{params * 4 / 1024:,.1f} KiB", *cells,
-                     f"{meta['training']['seconds'] / 60:.1f} min"])
-    print(table(["method", "trainable parameters", "extra memory (float32)", "@1 top-1", "@1 top-5",
-                 "@2 top-1", "@2 top-5", "@3 top-1", "@3 top-5", "training time"], lines), flush=True)
+        lines.append([method, params, params * 4 / 1024,
+                      *[sum(acc[d][:k]) if d < len(acc) else None for d in range(3) for k in (1, 5)],
+                      meta["training"]["seconds"] / 60])
+    report.table("trained parts: size and held-out prediction accuracy (distance @d = the token d places after "
+                 "the next one; top-k = the right token among the k best guesses)",
+                 [Column("method"), Column("parameters", "trainable parameters", "{:,}"),
+                  Column("kib", "extra memory (float32)", "{:,.1f} KiB"),
+                  *[Column(f"at{d}_top{k}", f"@{d} top-{k}", "{:.3f}") for d in (1, 2, 3) for k in (1, 5)],
+                  Column("training_minutes", "training time", "{:.1f} min")], lines, kind="trained_parts")
 
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts)]
@@ -283,18 +292,19 @@ def bench_learned(args, tokenizer):
         for key, drafter in drafters.items():
             tallies[key].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids, number), vanilla[0])
         print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
-    print(f"\n## Medusa vs PPD per budget of inputs per forward pass: {len(prompts)} prompts "
-          f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, greedy. tau per verify pass "
-          "(prefill excluded), predicted from the held-out accuracies vs measured")
     lines = []
     for (budget, name), drafter in drafters.items():
         t = tallies[budget, name]
         per_verify = (t.new_tokens - t.prompts) / max(t.forward_passes - t.prompts, 1)
-        lines.append([budget, name, f"{drafter.predicted_tokens_per_pass:.2f}", f"{per_verify:.2f}",
-                      f"{t.new_tokens / t.seconds:.1f}", f"{speedup(t, tallies['vanilla']):.2f}x",
-                      f"{t.same_as_vanilla}/{t.prompts}"])
-    print(table(["inputs per pass", "method", "predicted tau", "measured tau", "tokens/s", "speedup",
-                 "output = vanilla"], lines), flush=True)
+        lines.append([budget, name, drafter.predicted_tokens_per_pass, per_verify, t.new_tokens / t.seconds,
+                      speedup(t, tallies["vanilla"]), f"{t.same_as_vanilla}/{t.prompts}"])
+    report.table(f"Medusa vs PPD per budget of inputs per forward pass: {len(prompts)} prompts "
+                 f"({', '.join(args.categories)}), up to {args.new_tokens} new tokens, greedy. tau per verify pass "
+                 "(prefill excluded), predicted from the held-out accuracies vs measured",
+                 [Column("rows", "inputs per pass"), Column("method"), Column("predicted_tau", "predicted tau", "{:.2f}"),
+                  Column("tau", "measured tau", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
+                  Column("speedup", fmt="{:.2f}x"), Column("same_as_vanilla", "output = vanilla")], lines,
+                 kind="learned")
 
 
 # ---- APAR ----------------------------------------------------------------------------------------
@@ -323,7 +333,7 @@ class AparCategory:
         return sum(answer[key] for answer in self.stats)
 
 
-def bench_apar(args, tokenizer):
+def bench_apar(args, tokenizer, report):
     """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
     engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
@@ -342,12 +352,13 @@ def bench_apar(args, tokenizer):
             c.apar_nll += answer_nll(base, prompt_ids, gen.token_ids)
             print(f"  {category} {number}/{len(texts)}: {gen.threads} threads, {gen.forward_passes} vs "
                   f"{vanilla.forward_passes} passes", file=sys.stderr, flush=True)
-    print(f"\n## APAR (shipped adapter) vs vanilla decoding of the base model: MT-Bench first turns, greedy, "
-          f"up to {args.new_tokens} new tokens. a / b = vanilla / APAR, or APAR / flattened APAR answer")
-    print(table(["category", "answers", "threads (#T)", "parallel (%P)", "passes per answer",
-                 "fewer passes", "tokens per pass", "tokens per answer", "speedup (tokens/s)",
-                 "max cached: APAR / flat (saved)", "attended: APAR / flat (saved)",
-                 "base-model perplexity"], [apar_row(category, c) for category, c in results.items()]), flush=True)
+    headers = ["category", "answers", "threads (#T)", "parallel (%P)", "passes per answer", "fewer passes",
+               "tokens per pass", "tokens per answer", "speedup (tokens/s)", "max cached: APAR / flat (saved)",
+               "attended: APAR / flat (saved)", "base-model perplexity"]
+    report.table(f"APAR (shipped adapter) vs vanilla decoding of the base model: MT-Bench first turns, greedy, "
+                 f"up to {args.new_tokens} new tokens. a / b = vanilla / APAR, or APAR / flattened APAR answer",
+                 [Column(header) for header in headers], [apar_row(category, c) for category, c in results.items()],
+                 kind="apar")
 
 
 def apar_row(category: str, c: AparCategory) -> list:
@@ -404,13 +415,40 @@ def theirs_step_latency(hf_model, cached, T, reps) -> float:
     return statistics.median(timed(step)[1] for _ in range(reps))
 
 
-def table(header: list[str], lines: list[list]) -> str:
-    """A Markdown table."""
-    head = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(head + ["| " + " | ".join(str(c) for c in line) + " |" for line in lines])
+@dataclass(frozen=True)
+class Column:
+    """A table's column: its key in the results file, its header in Markdown, how a value is written."""
+    key: str
+    header: str = ""
+    fmt: str = "{}"
+
+    def cell(self, value) -> str:
+        return "-" if value is None else self.fmt.format(value)
 
 
-def bench_latency(name, args, tokenizer):
+class Report:
+    """A run's tables, each printed as Markdown as soon as it is measured and kept with its numbers for
+    the results file (--out, JSON) that visualize.py draws."""
+
+    def __init__(self, what: str, machine: dict):
+        self.results = {"what": what, "machine": machine, "tables": []}
+
+    def table(self, title: str, columns: list[Column], rows: list[list], **about) -> None:
+        headers = [column.header or column.key for column in columns]
+        print(f"\n## {title}")
+        print("\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                        + ["| " + " | ".join(column.cell(v) for column, v in zip(columns, row)) + " |" for row in rows]),
+              flush=True)
+        self.results["tables"].append({"title": title, **about, "columns": [column.key for column in columns],
+                                       "headers": headers, "rows": rows})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with written_atomically(path) as tmp:
+            tmp.write_text(json.dumps(self.results, indent=1) + "\n", encoding="utf-8")
+
+
+def bench_latency(name, args, tokenizer, report):
     dtype = DTYPES[name]
     folder = default_model_dir()
     ours = load_checkpoint(folder, dtype, args.device)
@@ -419,8 +457,6 @@ def bench_latency(name, args, tokenizer):
         from transformers import LlamaForCausalLM
         theirs = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
-    print(f"\n## {name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s "
-          f"(median of {args.rounds} rounds)", flush=True)
     lines = []
     ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels
     for prompt in LATENCY_PROMPTS:
@@ -432,29 +468,25 @@ def bench_latency(name, args, tokenizer):
                 theirs_runs.append(theirs_tokens_per_second(theirs, ids, args.new_tokens))
         ours_tps = statistics.median(ours_runs)
         theirs_tps = statistics.median(theirs_runs) if theirs else None
-        lines.append([prompt[:40], f"{ours_tps:.1f}", fmt(theirs_tps), ratio(ours_tps, theirs_tps)])
-        print(f"  {prompt[:40]!r}: ours {ours_tps:.1f}, transformers {fmt(theirs_tps)}", file=sys.stderr, flush=True)
-    print(table(["prompt", "ours tok/s", "transformers tok/s", "ours / transformers"], lines))
+        lines.append([prompt[:40], ours_tps, theirs_tps, ours_tps / theirs_tps if theirs else None])
+        print(f"  {prompt[:40]!r}: ours {ours_tps:.1f} tok/s", file=sys.stderr, flush=True)
+    report.table(f"{name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s (median of {args.rounds} "
+                 "rounds)", [Column("prompt"), Column("ours", "ours tok/s", "{:.1f}"),
+                             Column("transformers", "transformers tok/s", "{:.1f}"),
+                             Column("ratio", "ours / transformers", "{:.2f}x")], lines,
+                 kind="vanilla_speed", dtype=name)
 
-    print(f"\n## {name}: step latency L(T) in ms (median of {args.reps}), T new tokens on a cache", flush=True)
     lines = []
     for cached in CACHED:
         for label, measure, model in [("ours", lambda m, c, T, r: forward_latency(m, T, c, r), ours), ("transformers", theirs_step_latency, theirs)]:
             if model is None:
                 continue
             latencies = {T: measure(model, cached, T, args.reps) * 1000 for T in STEP_SIZES}
-            lines.append([label, cached] + [f"{latencies[T]:.1f}" for T in STEP_SIZES]
-                        + [f"{latencies[8] / latencies[1]:.2f}"])
+            lines.append([label, cached] + [latencies[T] for T in STEP_SIZES] + [latencies[8] / latencies[1]])
             print(f"  {label} cached={cached} done", file=sys.stderr, flush=True)
-    print(table(["model", "cached"] + [f"L({T})" for T in STEP_SIZES] + ["L(8)/L(1)"], lines))
-
-
-def fmt(value):
-    return "-" if value is None else f"{value:.1f}"
-
-
-def ratio(a, b):
-    return "-" if b is None else f"{a / b:.2f}x"
+    report.table(f"{name}: step latency L(T) in ms (median of {args.reps}), T new tokens on a cache",
+                 [Column("model"), Column("cached")] + [Column(f"L({T})", fmt="{:.1f}") for T in STEP_SIZES]
+                 + [Column("L(8)/L(1)", fmt="{:.2f}")], lines, kind="step_latency", dtype=name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0: greedy; above 0 every method samples exactly at this temperature")
     p.add_argument("--draft-layers", type=integer(1, MAX_LAYERS), default=DEFAULT_DRAFT_LAYERS, metavar="N",
                    help="the speculative method's draft: the model's first N layers")
+    p.add_argument("--out", type=Path, metavar="FILE.json",
+                   help="the results file, every table with its numbers (default: bench-WHAT.json here)")
+    p.add_argument("--plot", action="store_true",
+                   help="also draw the charts next to the results file (as `visualize.py bench FILE.json`): "
+                        "methods: speedup per method and category with tau on the bars; latency: L(T)/L(1)")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"], choices=list(VARIANTS),
                    help="methods next to vanilla")
@@ -507,25 +544,50 @@ def main(argv=None) -> int:
     return run_program(lambda: bench_command(argv))
 
 
+def writable_out(path: Path) -> None:
+    """Refuse a results file that could not be written now, not after the run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {unwritable(path.parent, err)}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise UserError(f"cannot write {path}: " + ("it is a folder" if path.is_dir() else "permission denied"))
+
+
+def machine(device: torch.device) -> dict:
+    """Where the numbers come from: figures are labelled with it."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__,
+            "model": default_model_dir().name, "date": time.strftime("%Y-%m-%d")}
+
+
 def bench_command(argv) -> None:
     args = build_parser().parse_args(argv)
     Sampling(temperature=args.temperature)  # refuses a temperature it cannot sample at, before any work
     args.device = parse_device(args.device)
-    print(f"# bench.py {args.what}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.device}, default model {default_model_dir().name}")
+    out = args.out or Path(f"bench-{args.what}.json")
+    writable_out(out)
+    report = Report(args.what, machine(args.device))
+    print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
     with torch.inference_mode():
         if args.what == "methods":
-            bench_methods(args, tokenizer)
+            bench_methods(args, tokenizer, report)
         elif args.what == "speculative":
-            bench_speculative(args, tokenizer)
+            bench_speculative(args, tokenizer, report)
         elif args.what == "learned":
-            bench_learned(args, tokenizer)
+            bench_learned(args, tokenizer, report)
         elif args.what == "apar":
-            bench_apar(args, tokenizer)
+            bench_apar(args, tokenizer, report)
         else:
             for name in args.dtypes:
-                bench_latency(name, args, tokenizer)
+                bench_latency(name, args, tokenizer, report)
+    report.save(out)
+    print(f"results: {out}", file=sys.stderr)
+    if args.plot:
+        for name, fig in bench_figures(report.results).items():
+            for path in save_figure(fig, out.parent, f"{out.stem}-{name}", ["png", "svg"]):
+                print(f"chart: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ their own options come from methods.py. A mistake in the input is one `error:` l
 """
 
 import argparse
+import io
 import json
 import random
 import sys
@@ -28,6 +29,7 @@ from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer
 from methods import METHODS, OPTIONS, Method, build_drafter, calibration_name, methods_taking, trained_path
 from model import DTYPES, load_checkpoint, parse_device, room_for_new_tokens
 from sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
+from show_tree import TreePrinter
 from tokenizer import StreamDecoder, Tokenizer
 from verify import TypicalAcceptance
 
@@ -50,13 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help='many prompts in one process, one JSON object {"prompt": ...} per line')
     p.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=256, metavar="N",
                    help="stop after this many new tokens (or at end-of-sequence, or the context limit)")
-    p.add_argument("--model", type=Path, metavar="DIR",
-                   help="a Hugging Face Llama checkpoint folder (config.json, *.safetensors, "
-                        "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
-    p.add_argument("--raw", action="store_true",
-                   help="feed the prompt as-is instead of through the checkpoint's chat template")
+    add_model_options(p)
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help=f"sampling temperature, {MIN_TEMPERATURE}..{MAX_TEMPERATURE:g}; 0 decodes greedily "
                         "(always the most likely token)")
@@ -82,8 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-accepts", action="store_true",
                    help="highlight the tokens that came from accepted guesses (green on a terminal, "
                         "else between ⟦ and ⟧)")
+    p.add_argument("--show-tree", type=integer(1, MAX_NEW_TOKENS), nargs="?", const=MAX_NEW_TOKENS, metavar="N",
+                   help="draw each forward pass's candidate tree (one node per line under its parent: its "
+                        "token, accepted ✓ / rejected ✗ with the model's top token there / unreached ·, "
+                        "soft tokens, the bonus token), for the first N passes (no N: every pass); the "
+                        "answer follows the trees")
+    add_method_options(p)
+    p.add_argument("--calibrate", action="store_true",
+                   help=f"for {', '.join(TREE_METHODS)}: measure the forward-pass latency L(n) on this "
+                        "machine and dtype and the tokens per pass tau(n), save the n that maximises "
+                        "tau(n)/L(n) as this machine's default, print the table, and exit")
+    return p
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Which model, where, and how the prompt reaches it (decode.py and visualize.py)."""
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="a Hugging Face Llama checkpoint folder (config.json, *.safetensors, "
+                        "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
+    p.add_argument("--raw", action="store_true",
+                   help="feed the prompt as-is instead of through the checkpoint's chat template")
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    """Each method's own options from the registry, grouped under its paper."""
     added = set()
-    for method in METHODS.values():  # each method's own options, under its paper
+    for method in METHODS.values():
         own = [dest for dest in method.options if dest not in added]
         group = p.add_argument_group(f"{method.name} ({method.paper})") if own else None
         for dest in own:
@@ -92,11 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
             shared = f" [{', '.join(takers)}]" if len(takers) > 1 else ""
             group.add_argument(flag, **(settings | {"help": settings["help"] + shared}))
             added.add(dest)
-    p.add_argument("--calibrate", action="store_true",
-                   help=f"for {', '.join(TREE_METHODS)}: measure the forward-pass latency L(n) on this "
-                        "machine and dtype and the tokens per pass tau(n), save the n that maximises "
-                        "tau(n)/L(n) as this machine's default, print the table, and exit")
-    return p
+
+
+def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
+    """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
+    A method's own options act only with that method (one of `methods`, those asked for)."""
+    rules = [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
+              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules
+    for dest, acts, where in rules:
+        if getattr(args, dest) != parser.get_default(dest) and not acts(args):
+            raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
 
 
 def is_sampling(args) -> bool:
@@ -122,6 +149,9 @@ ACTS_ONLY = {
                      "a draft made of the model's own first layers (not with --draft-model)"),
     "show_accepts": (lambda args: METHODS[args.method].drafter is not None,
                      "--method " + ", ".join(name for name, m in METHODS.items() if m.drafter)),
+    "show_tree": (lambda args: METHODS[args.method].guesses and not args.json,
+                  "streamed text (not --json) of a method that guesses, --method "
+                  + ", ".join(name for name, m in METHODS.items() if m.guesses)),
     "max_new_tokens": (decoding_prompts, "decoding prompts (not --calibrate, which uses its own)"),
     "json": (decoding_prompts, "decoding prompts (not --calibrate)"),
     "calibrate": (lambda args: METHODS[args.method].size is not None,
@@ -135,14 +165,10 @@ def flag(dest: str) -> str:
 
 def check_args(args, parser) -> None:
     method = METHODS[args.method]
-    rules = [(dest, lambda args, dest=dest: args.method in methods_taking(dest),
-              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS]  # first: the method's
-    rules += [(dest, acts, where) for dest, (acts, where) in ACTS_ONLY.items()]
+    rules = [(dest, acts, where) for dest, (acts, where) in ACTS_ONLY.items()]
     if method.size is not None:  # --calibrate tries every size itself
         rules.append((method.size.option, decoding_prompts, "decoding prompts (--calibrate tries every size)"))
-    for dest, acts, where in rules:
-        if getattr(args, dest) != parser.get_default(dest) and not acts(args):
-            raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
+    refuse_idle_options(args, parser, rules, [args.method])
     if args.acceptance == "typical" and not method.guesses:
         raise UserError(f"--acceptance typical needs a method that guesses ({args.method} guesses nothing)")
     if args.calibrate and (args.prompt is not None or args.prompt_file is not None):
@@ -296,21 +322,21 @@ def summary_line(stats: dict) -> str:
 
 
 class TokenPrinter:
-    """Streams text as tokens arrive; with `highlight`, marks the ones that were accepted guesses."""
+    """Streams text to `out` as tokens arrive; with `highlight`, marks the ones that were accepted guesses."""
 
-    def __init__(self, tokenizer, highlight: bool):
+    def __init__(self, tokenizer, highlight: bool, out=None):
         self.stream = StreamDecoder(tokenizer)
-        self.highlight = highlight
+        self.highlight, self.out = highlight, out or sys.stdout
         self.marks = ("\x1b[30;42m", "\x1b[0m") if sys.stdout.isatty() else ("⟦", "⟧")
 
     def __call__(self, ids: list[int], guessed: int) -> None:
         guessed_text = self.stream.push(ids[:guessed])
         if self.highlight and guessed_text:
             guessed_text = guessed_text.join(self.marks)
-        print(guessed_text + self.stream.push(ids[guessed:]), end="", flush=True)
+        print(guessed_text + self.stream.push(ids[guessed:]), end="", flush=True, file=self.out)
 
     def finish(self) -> None:
-        print(self.stream.flush(), flush=True)
+        print(self.stream.flush(), flush=True, file=self.out)
 
 
 def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling: Sampling,
@@ -320,10 +346,12 @@ def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling:
     generator = torch.Generator(model.device).manual_seed(seed)
     if METHODS[args.method].engine:
         return run_engine_prompt(args, tokenizer, decoder, prompt_ids, sampling, generator, seed)
-    printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts)
+    trees = TreePrinter(tokenizer, args.show_tree, sys.stdout.isatty(), sys.stdout) if args.show_tree else None
+    # with the trees drawn, the answer is held back and printed after them
+    printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts, io.StringIO() if trees else None)
     gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
                    drafter=decoder, sampling=sampling, generator=generator,
-                   typical=typical, on_tokens=printer)
+                   typical=typical, on_tokens=printer, on_pass=trees)
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
     if args.json:
         stats |= {"text": tokenizer.decode(gen.token_ids), "token_ids": gen.token_ids}
@@ -332,6 +360,8 @@ def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling:
         print(json.dumps(stats, ensure_ascii=False), flush=True)
     else:
         printer.finish()
+        if trees:
+            print(f"answer ({trees.passes} passes after the prefill):\n{printer.out.getvalue()}", end="", flush=True)
         print(summary_line(stats), file=sys.stderr, flush=True)
 
 

@@ -18,6 +18,8 @@ or the context limit:
     drafter.observe(last accepted node's hidden state and soft tokens' logits)   # 6. observe: Medusa, PPD
     drafter.extend(new_tokens)                    #    extend: n-gram tables and tries learn the tokens
 
+A watcher (`on_pass`: decode.py --show-tree, visualize.py) is shown every pass as it happened (`Pass`).
+
 Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone. Draft-model
 speculative decoding (Leviathan et al. 2023, Algorithm 1) is the drafter whose tree is a chain sampled
 from a small model. Medusa's heads read the final hidden state of the last accepted node (Cai et al.
@@ -61,12 +63,23 @@ class Generation:
     kv_cache_bytes: int = 0  # memory preallocated for keys and values
 
 
+@dataclass
+class Pass:
+    """One forward pass of the loop after the prefill, as a watcher sees it."""
+    tree: Tree  # the candidate tree it scored
+    cache_length: int  # tokens cached before it: node i sat at position cache_length + depth(i)
+    choices: list[int]  # per node, the model's most likely next token there (its greedy choice)
+    verdict: Verdict  # what the verifier accepted, and the bonus token
+    emitted: list[int]  # the tokens the pass added to the answer: the verdict's, cut by the stop rule
+
+
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
              drafter: Drafter | None = None, sampling: Sampling = Sampling(), generator=None,
-             typical: TypicalAcceptance | None = None, on_tokens=None) -> Generation:
+             typical: TypicalAcceptance | None = None, on_tokens=None, on_pass=None) -> Generation:
     """Decode one prompt with `drafter`'s guesses (none: vanilla), greedily or by sampling (exactly,
     or with the lossy `typical` acceptance). `on_tokens(ids, guessed)` is called after every pass
-    with its new tokens, of which the first `guessed` were accepted guesses."""
+    with its new tokens, of which the first `guessed` were accepted guesses; `on_pass(Pass)` after
+    every pass but the prefill."""
     drafter = drafter or Drafter()
     room = room_for_new_tokens(model, prompt_ids, max_new_tokens)
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + room + drafter.max_draft_tokens)
@@ -90,6 +103,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
                 verdict = verify(tree, logits[:len(tree)], sampling, generator, typical)  # 3. verify
                 cache.keep(tree_start, verdict.path)  # 4. keep: rejected guesses' and soft tokens' K/V go
             new_tokens = answer.emit(verdict)  # 5. emit
+            if on_pass:  # someone watches the loop
+                on_pass(Pass(tree, tree_start, logits[:len(tree)].argmax(-1).tolist(), verdict, new_tokens))
             with meter.time("draft"):  # 6. observe / extend
                 last = verdict.path[-1]
                 drafter.observe(hidden[last], logits[tree.soft_rows(last)])

@@ -61,6 +61,14 @@ class Verdict:
     def accepted_guesses(self) -> int:
         return len(self.path) - 1
 
+    def outcomes(self, tree: Tree) -> list[str]:
+        """Per node of the tree this verdict judged: "accepted" (on the path; the root always is),
+        "rejected" (its parent is on the path but the walk did not go on to it) or "unreached" (an
+        ancestor was rejected, so nothing judged it)."""
+        on_path = set(self.path)
+        return ["accepted" if node in on_path else "rejected" if tree.parents[node] in on_path else "unreached"
+                for node in range(len(tree))]
+
 
 @dataclass(frozen=True)
 class TypicalAcceptance:

@@ -95,6 +95,15 @@ def tiny_artifacts(folder, out):
                                                              "model": artifacts.model_fingerprint(model)})
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random checkpoint with a real (tiny) tokenizer, as a folder --model can name."""
+    folder = tmp_path_factory.mktemp("tiny")
+    vocab = write_tiny_tokenizer(folder)
+    write_checkpoint(folder, tiny_hf_config(vocab=vocab, eos_token_id=2, max_position_embeddings=64))
+    return folder
+
+
 def write_tiny_tokenizer(folder: Path) -> int:
     """A byte-level BPE tokenizer.json trained on a few sentences; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -17,8 +17,8 @@ TIERS = [  # a module may import modules of its own tier or lower ones, never hi
      "artifacts", "bench_data"],  # foundations
     ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop
-    ["calibrate", "methods"],  # what sizes and builds a method
-    ["cli", "bench", "train_prompt"],  # the programs
+    ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text
+    ["cli", "bench", "train_prompt", "visualize"],  # the programs
 ]
 TIER = {module: tier for tier, modules in enumerate(TIERS) for module in modules}
 

@@ -10,15 +10,7 @@ import pytest
 import torch
 
 from cli import main
-from conftest import ROOT, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    vocab = write_tiny_tokenizer(folder)
-    write_checkpoint(folder, tiny_hf_config(vocab=vocab, eos_token_id=2, max_position_embeddings=64))
-    return folder
+from conftest import ROOT, tiny_artifacts, write_checkpoint
 
 
 def run_cli(capsys, *argv):

@@ -1,0 +1,590 @@
+"""Pictures of guess-and-verify decoding, drawn from real runs (matplotlib).
+
+    python visualize.py step --method ppd --prompt "Explain what a hash table is."
+    python visualize.py answer --methods anpd lookahead --prompt "Summarize in two sentences: ..."
+    python visualize.py bench bench-methods.json     # the charts of a bench.py run (also bench.py --plot)
+    python visualize.py calibration                  # tau(n) / L(n) as decode.py --calibrate measured it
+
+`step` decodes the prompt greedily, records every forward pass (decode.Pass) and draws one of them:
+- TREE: the candidate tree the pass scored, x = depth, the accepted path in green with the bonus token
+  after it, rejected guesses in red with the model's own choice beside them, unreached ones grey, and
+  (PPD) the soft tokens each node carries as dashed boxes;
+- MASK: the attention mask of the pass over [the tail of the cache + the pass's inputs], tokens on
+  both axes: every input sees the whole cache, then its own ancestors (tree.py);
+- POSITIONS: the RoPE position each input row is given, in the order the rows are laid out:
+  cache length + depth, so siblings share a position and a soft token sits where its guess would.
+`answer` decodes the prompt with each method (and vanilla) and draws each answer's tokens coloured by
+who chose them: an accepted guess (green) or the model itself (the bonus token of a pass, or vanilla),
+with a bar under the tokens of each pass.
+`bench` and `calibration` draw measurements: speedup per method and category with tau on the bars,
+L(T)/L(1) against T, tau(n) and tau(n) L(1)/L(n) with the chosen size marked; each is labelled with the
+machine it was measured on.
+
+Every figure is saved as PNG and SVG (--formats). In the SVG each node, token and cell carries an id
+saying what it shows (e.g. `node-3-accepted`), which the tests read back.
+"""
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no window: works on a machine without a display
+warnings.filterwarnings("ignore", message="Glyph .* missing from font")  # a script the font lacks: drawn as boxes
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+
+from artifacts import written_atomically  # noqa: E402
+from calibrate import calibration_file  # noqa: E402
+from cli import Prompt, add_method_options, add_model_options, checked, load, prompt_ids, refuse_idle_options  # noqa: E402
+from decode import Generation, Pass, generate  # noqa: E402
+from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program  # noqa: E402
+from methods import METHODS, build_drafter  # noqa: E402
+from show_tree import visible  # noqa: E402
+
+COLOURS = {"accepted": "#2ca02c", "rejected": "#d62728", "unreached": "#b0b0b0", "root": "#1f77b4",
+           "bonus": "#ff9f1c", "soft": "#9467bd", "model": "#f0f0f0"}
+FILLS = {"accepted": "#d8f0d8", "rejected": "#fadcdc", "unreached": "#f4f4f4", "root": "#dbe8f5",
+         "bonus": "#ffe9c7", "soft": "#efe6f7"}
+GUESSING_METHODS = [name for name, method in METHODS.items() if method.guesses and method.drafter]
+CHAR = 0.083  # inches per character of 10-point DejaVu Sans Mono (0.6 em)
+
+
+def label(text: str, width: int = 14) -> str:
+    """A token's text for a figure: spaces as ␣, newlines as ↵, cut to `width` characters; ∅ for a
+    token with no text (matplotlib would draw nothing at all)."""
+    shown = visible(text, space="␣") or "∅"
+    return shown if len(shown) <= width else shown[:width - 1] + "…"
+
+
+# ---- one pass: the tree, its mask, its positions ----------------------------------------------------
+
+def tree_rows(tree, extra: dict) -> dict:
+    """The row of each item (from the top): leaves one row apart in depth-first order, a parent level
+    with the middle of its children. Items are the nodes and, under a node, `extra[node]`: the bonus
+    token and soft tokens drawn as its last children."""
+    rows, next_row = {}, [0]
+
+    def place(item):
+        children = (tree.children[item] + extra.get(item, [])) if isinstance(item, int) else []
+        if not children:
+            rows[item] = next_row[0]
+            next_row[0] += 1
+        else:
+            for child in children:
+                place(child)
+            rows[item] = (rows[children[0]] + rows[children[-1]]) / 2
+    place(0)
+    return rows
+
+
+def tree_figure(step: Pass, text_of, title: str):
+    """The candidate tree of one pass, the accepted path and bonus token highlighted."""
+    tree, verdict = step.tree, step.verdict
+    outcomes = verdict.outcomes(tree)
+    labels = [label(text_of([token])) for token in tree.tokens]
+    bonus_kept = len(step.emitted) > verdict.accepted_guesses  # the stop rule can end the answer first
+    extra = {node: [("soft", node)] for node in range(len(tree)) if tree.soft_counts[node]}
+    if bonus_kept:
+        extra[verdict.path[-1]] = [("bonus",)] + extra.get(verdict.path[-1], [])
+    rows = tree_rows(tree, extra)
+    column = CHAR * max(len(text) for text in [*labels, "2 soft tokens"]) + 0.8  # inches between depths
+    row, top = 0.5, 0.75  # inches between rows; room for the title
+    depth = max([tree.depths[node] + 1 for node in extra] + tree.depths)
+    height = top + row * (max(rows.values()) + 1) + 0.9  # and room for the legend
+    width = max(column * (depth + 1) + 0.6, 7.5)
+    fig = plt.figure(figsize=(width, height))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(-0.3, width - 0.3)
+    ax.set_ylim(height, 0)
+    ax.axis("off")
+
+    def at(item):
+        depth = tree.depths[item] if isinstance(item, int) else tree.depths[item[-1] if item[0] == "soft" else verdict.path[-1]] + 1
+        return depth * column, top + row * (rows[item] + 0.5)
+
+    def edge(parent, item, **style):
+        (x0, y0), (x1, y1) = at(parent), at(item)
+        ax.plot([x0, x1 - 0.4, x1 - 0.4, x1], [y0, y0, y1, y1], zorder=1, **style)
+
+    def box(item, text, kind, **style):
+        x, y = at(item)
+        ax.text(x, y, text, family="monospace", fontsize=10, va="center", ha="left", zorder=2,
+                color="#777777" if kind == "unreached" else "black", gid=style.pop("gid"),
+                bbox=dict(boxstyle="round,pad=0.3", fc=FILLS[kind], ec=COLOURS[kind], **style))
+
+    for node in range(1, len(tree)):
+        on_path = outcomes[node] == "accepted"
+        edge(tree.parents[node], node, color=COLOURS["accepted"] if on_path else "#999999", lw=3 if on_path else 1,
+             gid=f"edge-{tree.parents[node]}-{node}")
+    for node in range(len(tree)):
+        kind = "root" if node == 0 else outcomes[node]
+        box(node, labels[node], kind, lw=2 if kind == "accepted" else 1, gid=f"node-{node}-{kind}")
+        if kind == "rejected":  # what the model chose instead, under the refused guess
+            x, y = at(node)
+            ax.text(x + 0.05, y + 0.245, f"model: {label(text_of([step.choices[tree.parents[node]]]), 10)}",
+                    fontsize=7, color=COLOURS["rejected"], va="center", family="monospace")
+        if tree.soft_counts[node]:
+            count, copies = tree.soft_counts[node], f" ×{tree.ensembles}" if tree.ensembles > 1 else ""
+            edge(node, ("soft", node), color=COLOURS["soft"], lw=1, ls=":")
+            box(("soft", node), f"{count} soft token{'s' if count > 1 else ''}{copies}", "soft", ls="--",
+                gid=f"soft-{node}")
+    if bonus_kept:
+        edge(verdict.path[-1], ("bonus",), color=COLOURS["bonus"], lw=2.5, ls="--")
+        box(("bonus",), label(text_of([verdict.tokens[-1]])), "bonus", lw=2, gid="bonus")
+    legend = [Patch(fc=FILLS[k], ec=COLOURS[k], label=text) for k, text in [
+        ("root", "root: the last chosen token"), ("accepted", "accepted guess"),
+        ("rejected", "rejected (the model's choice under it)"), ("unreached", "unreached"),
+        ("bonus", "bonus: the model's choice after the path")]]
+    if any(tree.soft_counts):
+        legend.append(Patch(fc=FILLS["soft"], ec=COLOURS["soft"], ls="--", label="soft tokens: the next guesses"))
+    ax.legend(handles=legend, loc="lower left", bbox_to_anchor=(0.0, 0.0), ncol=3, fontsize=8, frameon=False)
+    ax.text(0, 0.35, title, fontsize=11, va="center")
+    return fig
+
+
+def input_labels(step: Pass, text_of) -> list[str]:
+    """One label per input row of the pass: "i token" for node i, "soft +d" for node i's soft tokens."""
+    tree = step.tree
+    return ([f"{node} {label(text_of([token]), 10)}" for node, token in enumerate(tree.tokens)]
+            + [f"{node} soft +{distance}" + (f" #{group + 1}" if tree.ensembles > 1 else "")
+               for node, distance, group in tree.soft_slots()])
+
+
+def mask_figure(step: Pass, cached_ids: list[int], text_of, tail: int, title: str):
+    """The attention mask of the pass over [the last `tail` cached tokens + its inputs] as a heat map."""
+    tree = step.tree
+    mask = tree.attention_mask(step.cache_length)  # [R, cache + R]
+    shown_cache = min(tail, step.cache_length)
+    mask = mask[:, step.cache_length - shown_cache:]
+    rows = mask.shape[0]
+    kinds = torch.zeros(mask.shape, dtype=torch.long)  # 0 not seen, 1 a cached token, 2 an ancestor (or itself)
+    kinds[:, :shown_cache] = mask[:, :shown_cache].long()
+    kinds[:, shown_cache:] = 2 * mask[:, shown_cache:].long()
+    inputs = input_labels(step, text_of)
+    cache_labels = [f"{label(text_of([t]), 10)} {step.cache_length - shown_cache + i}"
+                    for i, t in enumerate(cached_ids[-shown_cache:] if shown_cache else [])]
+    cell = 0.3
+    fig, ax = plt.subplots(figsize=(cell * mask.shape[1] + 2.8, cell * rows + 2.6))
+    ax.imshow(kinds.numpy(), cmap=ListedColormap(["white", "#c6dbef", "#2171b5"]), vmin=0, vmax=2,
+              aspect="equal", interpolation="nearest")
+    ax.set_xticks(range(mask.shape[1]), cache_labels + inputs, rotation=90, family="monospace", fontsize=8)
+    ax.set_yticks(range(rows), inputs, family="monospace", fontsize=8)
+    outcomes = step.verdict.outcomes(tree) + ["soft"] * (rows - len(tree))
+    for tick, outcome in zip(ax.get_yticklabels(), outcomes):
+        tick.set_color({"accepted": COLOURS["accepted"], "rejected": COLOURS["rejected"],
+                        "unreached": "#888888", "soft": COLOURS["soft"]}[outcome])  # as in the legend
+        tick.set_gid(f"row-{outcome}")
+    ax.set_xticks([x - 0.5 for x in range(mask.shape[1] + 1)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(rows + 1)], minor=True)
+    ax.grid(which="minor", color="#dddddd", lw=0.5)
+    ax.tick_params(which="minor", length=0)
+    if shown_cache:
+        ax.axvline(shown_cache - 0.5, color="black", lw=1.5)
+    ax.set_xlabel(f"keys: the last {shown_cache} of {step.cache_length} cached tokens (with their positions), "
+                  "then this pass's inputs", fontsize=9)
+    ax.set_ylabel("queries: this pass's inputs", fontsize=9)
+    label_colours = {"accepted guess": COLOURS["accepted"], "rejected guess": COLOURS["rejected"],
+                     "unreached guess": "#888888", "soft token": COLOURS["soft"]}
+    legend = ax.legend(handles=[Patch(fc="#c6dbef", label="sees a cached token"),
+                                Patch(fc="#2171b5", label="sees itself or an ancestor"),
+                                Patch(fc="white", ec="#999999", label="hidden"),
+                                *[Patch(fc="none", ec="none", label=f"{text} (row label)") for text in label_colours]],
+                       loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    for text, colour in zip(legend.get_texts()[3:], label_colours.values()):
+        text.set_color(colour)
+    ax.set_title(title, fontsize=10, loc="left")
+    return fig
+
+
+def positions_figure(step: Pass, text_of, title: str):
+    """The RoPE position of each input row, rows in the order they are laid out in the pass."""
+    tree = step.tree
+    positions = tree.positions(step.cache_length).tolist()
+    inputs = input_labels(step, text_of)
+    outcomes = step.verdict.outcomes(tree) + ["soft"] * (len(positions) - len(tree))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * (max(positions) - step.cache_length + 3) + 2.5),
+                                    0.3 * len(positions) + 1.8))
+    for row, parent in enumerate(tree.parents):
+        if parent >= 0:
+            on_path = outcomes[row] == "accepted"
+            ax.plot([positions[parent], positions[row]], [parent, row], zorder=1, lw=2 if on_path else 1,
+                    color=COLOURS["accepted"] if on_path else "#bbbbbb")
+    for row, (node, _, _) in enumerate(tree.soft_slots(), start=len(tree)):
+        ax.plot([positions[node], positions[row]], [node, row], color=COLOURS["soft"], lw=0.8, ls=":", zorder=1)
+    for row, (position, outcome) in enumerate(zip(positions, outcomes)):
+        kind = "root" if row == 0 else outcome
+        ax.scatter([position], [row], s=60, zorder=2, color=COLOURS[kind], marker="D" if kind == "soft" else "o",
+                   gid=f"position-{row}-{position}")
+    ax.set_yticks(range(len(inputs)), inputs, family="monospace", fontsize=8)
+    ax.set_ylim(len(inputs) - 0.5, -0.5)
+    ax.set_xticks(range(step.cache_length, max(positions) + 1))
+    ax.set_xlim(step.cache_length - 0.7, max(positions) + 0.7)
+    ax.set_xlabel(f"position (the cache holds positions 0..{step.cache_length - 1}: position = "
+                  f"{step.cache_length} + depth; a soft token: its node's + distance)", fontsize=9)
+    ax.set_ylabel("input row, in the pass's layout", fontsize=9)
+    ax.grid(axis="x", color="#eeeeee")
+    ax.set_title(title, fontsize=10, loc="left")
+    return fig
+
+
+def chosen_pass(passes: list[Pass], number: int | None) -> int:
+    """--pass, else the pass that accepted the most guesses (the first of them)."""
+    if not passes:
+        raise UserError("the answer ended at the prefill: there is no pass to draw (ask for more tokens)")
+    if number is not None:
+        if number > len(passes):
+            raise UserError(f"--pass {number}: the answer took only {len(passes)} passes after the prefill")
+        return number
+    return max(range(len(passes)), key=lambda i: (passes[i].verdict.accepted_guesses, -i)) + 1
+
+
+# ---- answers coloured by source -----------------------------------------------------------------------
+
+def pass_spans(from_draft: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each pass's tokens: its accepted guesses, then the model's own (bonus) token."""
+    spans, start = [], 0
+    for i, guessed in enumerate(from_draft):
+        if not guessed:
+            spans.append((start, i + 1))
+            start = i + 1
+    if start < len(from_draft):  # the stop rule ended the answer among accepted guesses
+        spans.append((start, len(from_draft)))
+    return spans
+
+
+def answer_figure(answers: dict[str, Generation], text_of, title: str, columns: int = 84):
+    """Each method's answer, token by token: accepted guesses green, the model's own choices plain, a
+    bar under each pass's tokens."""
+    layouts = {}
+    for name, gen in answers.items():  # (column, line, text) per token, wrapped at `columns` characters
+        cells, column, line = [], 0, 0
+        for token in gen.token_ids:
+            text = visible(text_of([token]), space=" ") or "∅"  # a token with no text still takes a pass's place
+            if column + len(text) > columns:
+                column, line = 0, line + 1
+            cells.append((column, line, text))
+            column += len(text)
+            if text.endswith("↵"):
+                column, line = 0, line + 1
+        layouts[name] = cells
+    line_height = 0.3
+    heights = [max((c[1] for c in cells), default=0) + 2.6 for cells in layouts.values()]
+    fig, axes = plt.subplots(len(answers), 1, figsize=(CHAR * columns + 0.8, line_height * sum(heights) + 0.8),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (name, gen) in zip(axes[:, 0], answers.items()):
+        cells = layouts[name]
+        lines = max((c[1] for c in cells), default=0) + 1
+        ax.set_xlim(-0.2, CHAR * columns + 0.2)
+        ax.set_ylim(line_height * (lines + 0.3), -line_height * 0.6)
+        ax.axis("off")
+        for (column, line, text), guessed, i in zip(cells, gen.from_draft, range(len(cells))):
+            if guessed:  # the highlight first, under the text, exactly as wide as the token
+                ax.add_patch(Rectangle((CHAR * column, line * line_height - 0.12), CHAR * len(text), 0.24,
+                                       fc=FILLS["accepted"], ec="none", zorder=1))
+            ax.text(CHAR * column, line * line_height, text, family="monospace", fontsize=10, va="center",
+                    zorder=2, gid=f"token-{i}-{'guess' if guessed else 'model'}")
+        for number, (start, end) in enumerate(pass_spans(gen.from_draft)):
+            for line in sorted({cells[i][1] for i in range(start, end)}):
+                on_line = [cells[i] for i in range(start, end) if cells[i][1] == line]
+                x0, x1 = CHAR * on_line[0][0], CHAR * (on_line[-1][0] + len(on_line[-1][2]))
+                ax.plot([x0 + 0.01, x1 - 0.01], [line * line_height + 0.14] * 2, lw=2, solid_capstyle="butt",
+                        color="#555555" if number % 2 else "#aaaaaa")
+        guesses = sum(gen.from_draft)
+        ax.set_title(f"{name}: {len(gen.token_ids)} tokens in {gen.forward_passes} forward passes "
+                     f"({len(gen.token_ids) / gen.forward_passes:.2f} per pass), {guesses} of them accepted "
+                     "guesses (green); a bar under each pass's tokens", fontsize=9, loc="left")
+    fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+# ---- measurements: bench.py results and calibrations ----------------------------------------------------
+
+def speedup_figure(tables: list[dict], machine: str):
+    """Speedup over vanilla per category (x) and method (bars), tau written on each bar."""
+    categories = [t["category"] for t in tables]
+    methods = [row[0] for row in tables[0]["rows"] if row[0] != "vanilla"]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 0.5 * len(methods) * len(categories)), 4.8))
+    width = 0.8 / max(len(methods), 1)
+    colours = plt.get_cmap("tab10")
+    for m, method in enumerate(methods):
+        for c, t in enumerate(tables):
+            row = next((r for r in t["rows"] if r[0] == method), None)
+            if row is None:
+                continue
+            values = dict(zip(t["columns"], row))
+            x = c - 0.4 + width * (m + 0.5)
+            ax.bar(x, values["speedup"], width, color=colours(m), label=method if c == 0 else None,
+                   gid=f"bar-{method}-{t['category']}")
+            ax.text(x, 0.03, f"τ {values['tau']:.2f}", ha="center", va="bottom", fontsize=8, rotation=90,
+                    color="white", fontweight="bold")  # inside the bar, clear of the vanilla line
+    ax.axhline(1.0, color="black", lw=1, ls="--")
+    ax.text(-0.48, 1.01, "vanilla", va="bottom", ha="left", fontsize=8)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("speedup over vanilla (tokens/s, same run)")
+    ax.set_ylim(0, max(ax.get_ylim()[1], 1.2) * 1.12)
+    ax.legend(fontsize=8, ncol=min(len(methods), 4), loc="upper left", frameon=False)
+    first = tables[0]
+    mode = f"sampling at temperature {first['temperature']}" if first.get("temperature") else "greedy"
+    ax.set_title(f"Speedup over vanilla, τ = tokens per forward pass: {first['dtype']}, {mode}, "
+                 f"{first['prompts']} prompt(s) per category, up to {first['new_tokens']} new tokens\n{machine}",
+                 fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
+def latency_figure(tables: list[dict], machine: str):
+    """L(T)/L(1) against T: what verifying T inputs in one pass costs next to one token."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for t in tables:
+        sizes = [int(size) for column in t["columns"] for size in re.findall(r"^L\((\d+)\)$", column)]
+        for row in t["rows"]:
+            values = dict(zip(t["columns"], row))
+            ratios = [values[f"L({n})"] / values["L(1)"] for n in sizes]
+            cached = sorted({r[t["columns"].index("cached")] for r in t["rows"]})
+            ax.plot(sizes, ratios, marker="o", label=f"{values['model']}, {values['cached']} cached ({t['dtype']})",
+                    color=COLOURS["root"] if values["model"] == "ours" else COLOURS["bonus"],
+                    ls=["-", "--", ":"][cached.index(values["cached"]) % 3])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("T: inputs in one forward pass")
+    ax.set_ylabel("L(T) / L(1)")
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"Step latency: one pass over T inputs, next to one\n{machine}", fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
+def calibration_figure(machine: str, methods: dict[str, dict]):
+    """tau(n) and tau(n) L(1)/L(n) per method, the chosen n starred, and L(n)/L(1)."""
+    fig, (cost, gain) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for i, (method, saved) in enumerate(sorted(methods.items())):
+        table = saved["table"]
+        n = [e["rows"] for e in table]
+        colour = plt.get_cmap("tab10")(i)
+        cost.plot(n, [e["tau"] / e["predicted_speedup"] for e in table], marker=".", color=colour, label=method)
+        gain.plot(n, [e["predicted_speedup"] for e in table], marker="o", color=colour, label=f"{method}: tau L(1)/L(n)")
+        gain.plot(n, [e["tau"] for e in table], ls=":", color=colour, label=f"{method}: tau(n)")
+        best = next(e for e in table if e["rows"] == saved["rows"])
+        gain.scatter([best["rows"]], [best["predicted_speedup"]], marker="*", s=250, color=colour, zorder=3,
+                     edgecolor="black", gid=f"chosen-{method}-{best['rows']}")
+        gain.annotate(f"n = {best['rows']}", (best["rows"], best["predicted_speedup"]), textcoords="offset points",
+                      xytext=(6, 8), fontsize=8)
+    cost.set_xlabel("n: inputs per forward pass")
+    cost.set_ylabel("L(n) / L(1)")
+    cost.set_title("what a pass over n inputs costs", fontsize=9, loc="left")
+    gain.set_xlabel("n: inputs per forward pass")
+    gain.set_ylabel("tokens per pass, and per L(1) of time")
+    gain.set_title("tau(n), and tau(n) L(1)/L(n): the predicted speedup (★ the size chosen)", fontsize=9, loc="left")
+    for ax in (cost, gain):
+        ax.legend(fontsize=7, frameon=False)
+        ax.grid(color="#eeeeee")
+    fig.suptitle(f"Calibration (decode.py --calibrate) on {machine}", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def machine_label(machine: dict) -> str:
+    """Where a bench.py run measured: the GPU or the CPU model, its cores and threads, torch."""
+    where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+    return f"{where} · {machine.get('device', '?')} · {machine.get('threads', '?')} threads · torch {machine.get('torch', '?')}"
+
+
+def bench_figures(results: dict) -> dict[str, object]:
+    """The charts a bench.py results file holds data for, by name."""
+    machine = machine_label(results.get("machine", {}))
+    figures = {}
+    for dtype in sorted({t["dtype"] for t in results["tables"] if t.get("kind") == "methods"}):
+        tables = [t for t in results["tables"] if t.get("kind") == "methods" and t["dtype"] == dtype]
+        figures[f"speedup-{dtype}"] = speedup_figure(tables, machine)
+    latency = [t for t in results["tables"] if t.get("kind") == "step_latency"]
+    if latency:
+        figures["step-latency"] = latency_figure(latency, machine)
+    return figures
+
+
+# ---- saving, and the command line ------------------------------------------------------------------------
+
+def save(fig, folder: Path, name: str, formats: list[str]) -> list[Path]:
+    """The figure as folder/name.<format> for each format, each written whole before it is renamed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in formats:
+        path = folder / f"{name}.{fmt}"
+        with written_atomically(path) as tmp:
+            fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else None)
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="visualize.py", description=__doc__.split("\n\n")[0],
+                           epilog="Run `python visualize.py COMMAND --help` for each command's options.",
+                           formatter_class=DefaultsHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    step = commands.add_parser(
+        "step", formatter_class=DefaultsHelpFormatter,
+        help="one forward pass of a method: its tree, attention mask and positions",
+        description="Decode a prompt greedily with a method that guesses and draw one forward pass: TREE "
+                    "(the candidate tree, the accepted path green, rejected guesses red beside the model's "
+                    "choice, unreached grey, the bonus token, PPD's soft tokens dashed), MASK (the attention "
+                    "mask over the cache's tail and the pass's inputs, tokens on both axes) and POSITIONS "
+                    "(each input row's RoPE position: cache length + depth). Files: OUT/METHOD-tree, "
+                    "-mask, -positions, each .png and .svg.")
+    step.add_argument("--method", default="ppd", choices=GUESSING_METHODS, help="the method whose pass to draw")
+    step.add_argument("--pass", dest="pass_number", type=integer(1, 1 << 20), metavar="N",
+                      help="draw the N-th forward pass after the prefill (default: the one that accepted the "
+                           "most guesses)")
+    step.add_argument("--cache-tail", type=integer(0, 64), default=8, metavar="K",
+                      help="MASK shows the last K cached tokens (every input sees all of the cache)")
+    answer = commands.add_parser(
+        "answer", formatter_class=DefaultsHelpFormatter,
+        help="each method's answer, its tokens coloured by who chose them",
+        description="Decode a prompt greedily with vanilla and each method and draw the answers token by "
+                    "token: accepted guesses green, tokens the model chose itself (the bonus token of each "
+                    "pass, or vanilla's) plain, a bar under each pass's tokens. File: OUT/answer-METHODS.")
+    answer.add_argument("--methods", nargs="+", default=["anpd"], choices=GUESSING_METHODS,
+                        help="methods to draw next to vanilla")
+    for sub in (step, answer):
+        sub.add_argument("--prompt", required=True, help="the prompt")
+        sub.add_argument("--max-new-tokens", type=integer(1, 4096), default=64, metavar="N",
+                         help="stop after this many new tokens (or at end-of-sequence)")
+        add_model_options(sub)
+        add_method_options(sub)
+    bench = commands.add_parser(
+        "bench", formatter_class=DefaultsHelpFormatter, help="the charts of a bench.py results file",
+        description="From a results file of bench.py (its --out): `methods` runs give the speedup over "
+                    "vanilla per method and category with tau on each bar (OUT/STEM-speedup-DTYPE); "
+                    "`latency` runs give L(T)/L(1) against T for ours and transformers' (OUT/STEM-step-latency).")
+    bench.add_argument("results", type=Path, metavar="RESULTS.json", help="written by bench.py")
+    calibration = commands.add_parser(
+        "calibration", formatter_class=DefaultsHelpFormatter,
+        help="tau(n), L(n)/L(1) and tau(n)/L(n) from decode.py --calibrate",
+        description="For each machine, dtype and model in the calibration file: L(n)/L(1) and, per "
+                    "calibrated method, tau(n) and the predicted speedup tau(n) L(1)/L(n), the chosen n "
+                    "starred (OUT/calibration-K).")
+    calibration.add_argument("file", type=Path, nargs="?", metavar="CALIBRATION.json",
+                             help="default: this machine's, in the cache (decode.py --calibrate writes it)")
+    for sub, draw in [(step, draw_step), (answer, draw_answers), (bench, draw_bench), (calibration, draw_calibration)]:
+        sub.set_defaults(draw=draw, command_parser=sub)
+        sub.add_argument("--out", type=Path, default=Path("figures"), metavar="DIR", help="folder for the figures")
+        sub.add_argument("--formats", nargs="+", choices=["png", "svg"], default=["png", "svg"],
+                         help="file formats to save")
+    return p
+
+
+def main(argv=None) -> int:
+    """`python visualize.py ...`: every problem that is not a bug is one `error:` line (errors.run_program)."""
+    return run_program(lambda: visualize_command(argv))
+
+
+def visualize_command(argv) -> None:
+    args = build_parser().parse_args(argv)
+    paths = args.draw(args)
+    print("\n".join(str(path) for path in paths))
+
+
+def decoded(args, method: str, model, tokenizer, ids, on_pass=None) -> Generation:
+    """The prompt decoded greedily with `method` (vanilla: no drafter)."""
+    drafter = build_drafter(METHODS[method], args, model, tokenizer) if method != "vanilla" else None
+    with torch.inference_mode():
+        return generate(model, ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
+                        drafter=drafter, on_pass=on_pass)
+
+
+def loaded(args, methods: list[str]):
+    """The model, tokenizer and prompt ids the options name, after checking them."""
+    refuse_idle_options(args, args.command_parser, [], methods)
+    prompt = checked(Prompt(args.prompt, "--prompt"))
+    model, tokenizer = load(args, METHODS[methods[0]])
+    return model, tokenizer, prompt_ids(args, prompt, model, tokenizer)
+
+
+def draw_step(args) -> list[Path]:
+    model, tokenizer, ids = loaded(args, [args.method])
+    passes = []
+    gen = decoded(args, args.method, model, tokenizer, ids, passes.append)
+    number = chosen_pass(passes, args.pass_number)
+    step = passes[number - 1]
+    cached = (ids + gen.token_ids)[:step.cache_length]
+
+    def text_of(token_ids):
+        return tokenizer.decode(token_ids, skip_special=False)
+
+    about = (f"{args.method}, pass {number} of {len(passes)}: {step.tree.draft_size} guesses after "
+             f"{step.cache_length} cached tokens, {step.verdict.accepted_guesses} accepted")
+    return [*save(tree_figure(step, text_of, about), args.out, f"{args.method}-tree", args.formats),
+            *save(mask_figure(step, cached, text_of, args.cache_tail, f"Tree attention mask: {about}"),
+                  args.out, f"{args.method}-mask", args.formats),
+            *save(positions_figure(step, text_of, f"Positions: {about}"), args.out, f"{args.method}-positions",
+                  args.formats)]
+
+
+def draw_answers(args) -> list[Path]:
+    methods = list(dict.fromkeys(args.methods))
+    model, tokenizer, ids = loaded(args, methods)
+    answers = {name: decoded(args, name, model, tokenizer, ids) for name in ["vanilla", *methods]}
+
+    def text_of(token_ids):
+        return tokenizer.decode(token_ids, skip_special=False)
+
+    prompt = args.prompt if len(args.prompt) <= 100 else args.prompt[:99] + "…"
+    fig = answer_figure(answers, text_of, f"Who chose each token, decoding greedily (so every answer is vanilla's)\n"
+                                          f"prompt: {visible(prompt)}")
+    return save(fig, args.out, "answer-" + "-".join(methods), args.formats)
+
+
+def read_json(path: Path, what: str, written_by: str):
+    if not path.is_file():
+        raise UserError(f"{path} does not exist ({written_by} writes it)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{path} is not {what} (not valid JSON)") from None
+
+
+def draw_bench(args) -> list[Path]:
+    results = read_json(args.results, "a bench.py results file", "bench.py --out")
+    try:
+        tables = results["tables"]
+        figures = bench_figures(results)
+    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
+        raise UserError(f"{args.results} is not a bench.py results file (or it is damaged)") from None
+    if not figures:
+        kinds = sorted({t.get("kind", "?") for t in tables})
+        raise UserError(f"{args.results} holds nothing to draw ({', '.join(kinds)}): charts come from "
+                        "`bench.py methods` and `bench.py latency` runs")
+    stem = args.results.stem
+    return [path for name, fig in figures.items() for path in save(fig, args.out, f"{stem}-{name}", args.formats)]
+
+
+def draw_calibration(args) -> list[Path]:
+    file = args.file or calibration_file()
+    saved = read_json(file, "a calibration file", "decode.py --method M --calibrate")
+    usable = {key: methods for key, methods in saved.items() if isinstance(methods, dict) and methods} if (
+        isinstance(saved, dict)) else {}
+    if not usable:
+        raise UserError(f"{file} holds no calibration")
+    paths = []
+    for number, (key, methods) in enumerate(sorted(usable.items()), 1):
+        machine = " · ".join(key.split(" | ")[:3])  # CPU or GPU, device, dtype (not the model's checksum)
+        try:
+            fig = calibration_figure(machine, methods)
+        except (KeyError, TypeError, StopIteration, ZeroDivisionError):
+            raise UserError(f"{file} is damaged (its entry for {machine}); calibrate again") from None
+        paths += save(fig, args.out, f"calibration-{number}", args.formats)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())
