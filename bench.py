@@ -549,7 +549,7 @@ def writable_out(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"cannot write {path}: {unwritable(path.parent, err)}") from None
+        raise UserError(f"cannot write {path}: {unwritable(path, err)}") from None
     if path.is_dir() or not os.access(path.parent, os.W_OK):
         raise UserError(f"cannot write {path}: " + ("it is a folder" if path.is_dir() else "permission denied"))
 

@@ -112,7 +112,7 @@ def tree_figure(step: Pass, text_of, title: str):
 
     def edge(parent, item, **style):
         (x0, y0), (x1, y1) = at(parent), at(item)
-        ax.plot([x0, x1 - 0.4, x1 - 0.4, x1], [y0, y0, y1, y1], zorder=1, **style)
+        ax.plot([x0, x1 - 0.4, x1 - 0.4, x1], [y0, y0, y1, y1], **({"zorder": 1} | style))
 
     def box(item, text, kind, **style):
         x, y = at(item)
@@ -123,7 +123,7 @@ def tree_figure(step: Pass, text_of, title: str):
     for node in range(1, len(tree)):
         on_path = outcomes[node] == "accepted"
         edge(tree.parents[node], node, color=COLOURS["accepted"] if on_path else "#999999", lw=3 if on_path else 1,
-             gid=f"edge-{tree.parents[node]}-{node}")
+             zorder=1.5 if on_path else 1, gid=f"edge-{tree.parents[node]}-{node}")  # the path over the rest
     for node in range(len(tree)):
         kind = "root" if node == 0 else outcomes[node]
         box(node, labels[node], kind, lw=2 if kind == "accepted" else 1, gid=f"node-{node}-{kind}")
@@ -378,7 +378,7 @@ def calibration_figure(machine: str, methods: dict[str, dict]):
         gain.scatter([best["rows"]], [best["predicted_speedup"]], marker="*", s=250, color=colour, zorder=3,
                      edgecolor="black", gid=f"chosen-{method}-{best['rows']}")
         gain.annotate(f"n = {best['rows']}", (best["rows"], best["predicted_speedup"]), textcoords="offset points",
-                      xytext=(6, 8), fontsize=8)
+                      xytext=(-10, -16), ha="right", fontsize=8)  # below left: clear of the title and the edge
     cost.set_xlabel("n: inputs per forward pass")
     cost.set_ylabel("L(n) / L(1)")
     cost.set_title("what a pass over n inputs costs", fontsize=9, loc="left")

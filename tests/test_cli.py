@@ -121,6 +121,9 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
     (["--method", "ppd", "--trained", str(ROOT / "trained" / "ppd-SmolLM2-135M-Instruct")],
      ["hidden_size 576 there, 32 here", "train_prompt.py ppd"]),  # the shipped one: SmolLM2's
     (["--calibrate"], ["--calibrate", "anpd, lookahead"]),
+    (["--show-tree"], ["--show-tree", "a method that guesses"]),  # vanilla has no tree to draw
+    (["--method", "anpd", "--show-tree", "2", "--json"], ["--show-tree", "not --json"]),
+    (["--method", "anpd", "--show-tree", "0"], ["--show-tree", "1.."]),
     (["--method", "anpd", "--calibrate"], ["--calibrate", "no --prompt"]),
 ])
 def test_bad_options_are_one_line_errors(capsys, tiny_folder, argv, fragments):

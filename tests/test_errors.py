@@ -108,6 +108,16 @@ CASES = {
     "huge --tree-rows": (lambda w: tiny(w, "--prompt", "hi", "--method", "ppd", "--tree-rows", 100000),
                          ["--tree-rows", "2..256"]),
     "huge bench --prompts": (lambda w: program("bench.py", "--prompts", 10**30), ["--prompts"]),
+    "bench --out in a file": (lambda w: program("bench.py", "latency", "--out", w / "tiny" / "config.json" / "r.json"),
+                              ["cannot write", "config.json is a file"]),
+    # the figures
+    "visualize a method that guesses nothing": (lambda w: program("visualize.py", "step", "--method", "vanilla",
+                                                                  "--prompt", "hi"), ["--method", "vanilla"]),
+    "visualize a missing results file": (lambda w: program("visualize.py", "bench", w / "missing.json"),
+                                         ["missing.json does not exist"]),
+    "visualize into a file": (lambda w: program("visualize.py", "step", "--method", "anpd", "--model", w / "tiny",
+                                                "--raw", "--prompt", "the quick", "--out", w / "tiny" / "config.json"),
+                              ["config.json"]),
     # broken artifacts
     "truncated artifact": (lambda w: tiny(w, "--prompt", "hi", "--method", "medusa", "--trained", w / "truncated"),
                            ["truncated.safetensors", "not a readable medusa artifact"]),
@@ -185,7 +195,7 @@ def test_ctrl_c_while_importing_is_one_line():
     process = subprocess.run([sys.executable, "-c", interrupt], cwd=ROOT, capture_output=True, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.returncode != 0 and process.stderr == "error: interrupted (Ctrl-C)\n", process.stderr
-    for name in ("decode.py", "train_prompt.py", "bench.py"):
+    for name in ("decode.py", "train_prompt.py", "bench.py", "visualize.py"):
         imports = [line.split()[1] for line in (ROOT / name).read_text().splitlines()
                    if line.startswith(("import ", "from "))]
         assert imports.index("errors") < imports.index("torch"), f"{name} imports torch before errors"

@@ -60,6 +60,10 @@ def test_the_tree_mask_and_positions_show_the_verifiers_verdict(tiny, tmp_path, 
     model, tokenizer, drafters, _ = tiny
     ids, gen, passes = recorded(model, tokenizer, drafters[method])
     assert [t for step in passes for t in step.emitted] == gen.token_ids[1:]  # the prefill chose the first
+    emitted = 1
+    for step in passes:  # the cache holds the prompt and every token but the root, the last one chosen
+        assert step.cache_length == len(ids) + emitted - 1
+        emitted += len(step.emitted)
     number = visualize.chosen_pass(passes, None)
     step = passes[number - 1]
     logits = torch.nn.functional.one_hot(torch.tensor(step.choices), model.config.vocab_size).float()
@@ -72,6 +76,11 @@ def test_the_tree_mask_and_positions_show_the_verifiers_verdict(tiny, tmp_path, 
     figures = {"tree": visualize.tree_figure(step, text_of, "tree"),
                "mask": visualize.mask_figure(step, cached, text_of, 8, "mask"),
                "positions": visualize.positions_figure(step, text_of, "positions")}
+    drawn_mask = torch.as_tensor(figures["mask"].axes[0].images[0].get_array())  # 0 hidden, 1 cache, 2 ancestor
+    shown = min(8, step.cache_length)
+    mask = step.tree.attention_mask(step.cache_length)[:, step.cache_length - shown:]
+    assert torch.equal(drawn_mask > 0, mask) and (drawn_mask[:, :shown] == 1).all()
+    assert torch.equal(drawn_mask[:, shown:] == 2, step.tree.ancestor_mask())
     ids_in = {}
     for name, fig in figures.items():
         png, svg = visualize.save(fig, tmp_path, name, ["png", "svg"])
