@@ -203,6 +203,7 @@ class Tree:
 # a tree is the sum of that over its nodes (PPD proposition 4.1).
 
 def path_probability(accuracy: Sequence[Sequence[float]], path: Sequence[int]) -> float:
+    """How often the node of rank path `path` is accepted: the product of its ranks' accuracies."""
     return math.prod(accuracy[depth][rank] for depth, rank in enumerate(path))
 
 

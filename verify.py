@@ -117,6 +117,9 @@ def verify(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator=None,
 
 
 def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
+    """Accept the longest root-to-node path on which every guess is the model's own choice (the
+    argmax of its parent's logits), then add the bonus token: the choice after the path's last node.
+    logits: [N, V], row i scoring the token after node i."""
     choice = logits.argmax(dim=-1).tolist()  # the model's own next token after each node
     path = longest_path(tree, lambda node: tree.tokens[node] == choice[tree.parents[node]])
     return Verdict.of(tree, path, choice[path[-1]])

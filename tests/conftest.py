@@ -1,98 +1,10 @@
-"""Shared test helpers: random tiny Llama checkpoints (float64 by default, so numerical near-ties
-cannot flip an argmax) and the real default model, converted once per session."""
-
-import functools
-import json
-import os
-import random
-import sys
-from pathlib import Path
+"""The tests' fixtures: a tiny checkpoint folder, and the real default model converted once per session.
+The helpers the tests share with the course's graders are in helpers.py."""
 
 import pytest
 import torch
-from hypothesis import settings, strategies as st
-from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import artifacts  # noqa: E402
-from decode import generate  # noqa: E402
-from medusa import MedusaHeads  # noqa: E402
-from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
-from tree import Tree  # noqa: E402
-
-settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
-settings.register_profile("thorough", deadline=None, max_examples=500)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-# For properties that cost milliseconds per example: at least 200 examples, whatever the profile (25
-# let a planted mistake through once; tests/test_mutants.py keeps checking that they catch them).
-cheap = settings(max_examples=max(settings.default.max_examples, 200))
-
-
-def tiny_hf_config(layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, tied=False, **extra) -> dict:
-    """A Hugging Face style config.json for a tiny Llama."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab, "hidden_size": heads * head_dim, "intermediate_size": 3 * heads * head_dim,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2,
-        **extra,
-    }
-
-
-def random_hf_weights(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random tensors under Hugging Face names; large enough that logits are far from uniform."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in hf_weight_shapes(LlamaConfig.from_hf(hf_config)).items():
-        if name.endswith("norm.weight"):
-            weights[name] = 1 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        else:
-            weights[name] = torch.randn(shape, generator=gen, dtype=torch.float64) * shape[-1] ** -0.5 * 2
-    return weights
-
-
-def random_model(hf_config: dict, seed: int = 0, dtype=torch.float64):
-    return build_model(LlamaConfig.from_hf(hf_config), random_hf_weights(hf_config, seed), dtype)
-
-
-def full_logits(model, sequence):
-    """Logits at every position of a plain full forward (no cache). [len, V]"""
-    tokens = torch.tensor([sequence])
-    return model(tokens, positions=torch.arange(len(sequence)))[0][0]
-
-
-@functools.cache
-def tiny_model(seed: int = 0, *, vocab: int = 16, max_positions: int = 64, layers: int = 2):
-    """The shared random tiny float64 Llama for `seed`, built once per test session for each set of
-    arguments. Tests must not change it; one that needs to builds its own with random_model."""
-    return random_model(tiny_hf_config(layers=layers, vocab=vocab, max_position_embeddings=max_positions), seed=seed)
-
-
-def write_checkpoint(folder: Path, hf_config: dict, seed: int = 0, weights=None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config))
-    weights = random_hf_weights(hf_config, seed) if weights is None else weights
-    save_file({k: v.float().contiguous() for k, v in weights.items()}, folder / "model.safetensors")
-    return folder
-
-
-def tiny_artifacts(folder, out):
-    """Medusa heads and PPD soft tokens (random) made for the tiny checkpoint, as train_prompt.py
-    would save them."""
-    model = load_checkpoint(folder, torch.float32)
-    accuracy = [[0.4, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]]
-    heads = MedusaHeads(model.config.hidden_size, 3)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    artifacts.save(out / "medusa", heads.state_dict(), {"kind": "medusa", "heads": 3, "accuracy": accuracy,
-                                                        "model": artifacts.model_fingerprint(model)})
-    embeddings = torch.randn(3, 2, model.config.hidden_size)
-    artifacts.save(out / "ppd", {"embeddings": embeddings}, {"kind": "ppd", "soft_tokens": 3, "ensembles": 2,
-                                                             "accuracy": accuracy,
-                                                             "model": artifacts.model_fingerprint(model)})
+from helpers import tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -102,20 +14,6 @@ def tiny_folder(tmp_path_factory):
     vocab = write_tiny_tokenizer(folder)
     write_checkpoint(folder, tiny_hf_config(vocab=vocab, eos_token_id=2, max_position_embeddings=64))
     return folder
-
-
-def write_tiny_tokenizer(folder: Path) -> int:
-    """A byte-level BPE tokenizer.json trained on a few sentences; returns its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    return tok.get_vocab_size()
 
 
 @pytest.fixture(scope="session")
@@ -137,88 +35,3 @@ def default_tokenizer(default_model_dir):
     from tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir)
-
-
-def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) -> float:
-    """Pearson's chi-square goodness-of-fit p-value of observed `counts` against the probabilities
-    `expected` (outcome -> probability, summing to 1). Outcomes expected fewer than `min_expected`
-    times are pooled into one bin, as the test's chi-square approximation needs; an outcome that
-    was observed but has probability 0 gives p-value 0."""
-    total = sum(counts.values())
-    if any(expected.get(outcome, 0.0) == 0.0 for outcome, n in counts.items() if n):
-        return 0.0
-    bins, pooled_n, pooled_e = [], 0, 0.0
-    for outcome, prob in expected.items():
-        n, e = counts.get(outcome, 0), prob * total
-        if e < min_expected:
-            pooled_n, pooled_e = pooled_n + n, pooled_e + e
-        else:
-            bins.append((n, e))
-    if pooled_e > 0:
-        bins.append((pooled_n, pooled_e))
-    statistic = sum((n - e) ** 2 / e for n, e in bins)
-    dof = len(bins) - 1
-    if dof < 1:
-        return 1.0
-    # the chi-square survival function is the regularised upper incomplete gamma Q(dof/2, x/2)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
-
-
-# ---- random trees --------------------------------------------------------------------------------
-
-VOCAB_OF_TREES = 4  # few tokens, so guesses are often right and sibling tokens often repeat
-
-
-@st.composite
-def trees(draw, max_nodes=24):
-    size = draw(st.integers(1, max_nodes))
-    parents = [-1] + [draw(st.integers(0, node - 1)) for node in range(1, size)]
-    tokens = draw(st.lists(st.integers(0, VOCAB_OF_TREES - 1), min_size=size, max_size=size))
-    return Tree(tokens, parents)
-
-
-def path_to(tree: Tree, node: int) -> list[int]:
-    """The nodes from the root down to `node`."""
-    path = [node]
-    while tree.parents[path[-1]] != -1:
-        path.append(tree.parents[path[-1]])
-    return path[::-1]
-
-
-# ---- accuracy tables and self-distilled answers (Medusa, PPD) ------------------------------------
-
-accuracy_tables = st.integers(1, 3).flatmap(lambda depth: st.integers(1, 3).flatmap(
-    lambda ranks: st.lists(st.lists(st.floats(0.0, 1.0 / ranks), min_size=ranks, max_size=ranks),
-                           min_size=depth, max_size=depth)))
-
-
-def random_accuracy(rng, depth, ranks):
-    return [sorted((rng.random() / ranks for _ in range(ranks)), reverse=True) for _ in range(depth)]
-
-
-def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter):
-    """The drafter's greedy output is vanilla's, token for token, stopping for the same reason."""
-    vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    guessed = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids, drafter=drafter)
-    assert guessed.token_ids == vanilla.token_ids
-    assert guessed.stop_reason == vanilla.stop_reason
-
-
-def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
-    """On the default model, a shipped guesser's greedy output is vanilla's, and some guesses pass."""
-    for prompt in ["Give me three tips for staying focused while studying.",
-                   "Explain what a hash table is."]:
-        ids = tokenizer.prompt_ids(prompt, raw=False)
-        with torch.inference_mode():
-            vanilla = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids)
-            guessed = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids, drafter=drafter)
-        assert guessed.token_ids == vanilla.token_ids
-        assert guessed.draft_tokens_accepted > 0
-
-
-def self_distilled_record(model, seed, vocab):
-    """A record as self_distill.py writes them: a random prompt and the model's greedy answer."""
-    prompt = [random.Random(seed).randrange(vocab) for _ in range(4)]
-    answer = generate(model, prompt, max_new_tokens=40, eos_ids=set()).token_ids
-    return {"prompt_ids": prompt, "answer_ids": answer}

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 import apar
 from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
 from cli import main
-from conftest import cheap, random_model, tiny_hf_config, tiny_model
+from helpers import cheap, random_model, tiny_hf_config, tiny_model
 from model import causal_mask
 
 VOCAB, EOS = 64, 2
@@ -184,7 +184,7 @@ def test_a_missing_adapter_says_how_to_train_one(tmp_path, capsys):
 
 
 def test_a_tokenizer_without_control_tokens_is_refused(tmp_path):
-    from conftest import write_tiny_tokenizer
+    from helpers import write_tiny_tokenizer
     from errors import UserError
     from tokenizer import Tokenizer
 

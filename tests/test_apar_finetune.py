@@ -7,7 +7,7 @@ import torch
 
 from apar import ControlTokens
 from apar_finetune import IGNORE, AparAdapter, apar_logits, apply_adapter, structure, training_example
-from conftest import random_model, tiny_hf_config
+from helpers import random_model, tiny_hf_config
 
 EOS = 2
 CONTROL = ControlTokens(fork=5, child=6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli import main
-from conftest import ROOT, tiny_artifacts, write_checkpoint
+from helpers import ROOT, tiny_artifacts, write_checkpoint
 
 
 def run_cli(capsys, *argv):

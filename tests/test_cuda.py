@@ -10,7 +10,7 @@ import torch
 
 from apar import ControlTokens, generate_apar
 from cli import main
-from conftest import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, tiny_artifacts,
+from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, tiny_artifacts,
                       tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import random_model, tiny_hf_config, tiny_model
+from helpers import random_model, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from errors import UserError

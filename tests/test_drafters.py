@@ -4,24 +4,11 @@ Lookahead trie's counts and invariants under random insert / eliminate / prune s
 import pytest
 from hypothesis import given, strategies as st
 
-from conftest import cheap
+from helpers import cheap, naive_ngram_query
 from drafters import MultiLevelNGram, NGramDrafter, Request, Trie, TrieDrafter
 from errors import UserError
 
 tokens = st.lists(st.integers(0, 5), max_size=60)
-
-
-def naive_ngram_query(seen, context, n):
-    """Scan everything seen: after the longest matching context (up to n-1 tokens), the most
-    frequent next token, the one seen last among equally frequent ones."""
-    for length in range(min(n - 1, len(context)), 0, -1):
-        suffix = context[-length:]
-        following = [seen[i] for i in range(length, len(seen)) if seen[i - length:i] == suffix]
-        if following:
-            counts = {t: following.count(t) for t in following}
-            top = max(counts.values())
-            return [t for t in following if counts[t] == top][-1]
-    return None
 
 
 @st.composite

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import convert
 import errors
 from cli import main
-from conftest import ROOT, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
+from helpers import ROOT, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
 NOT_UTF8 = b"caf\xe9"
 
@@ -255,7 +255,7 @@ def test_a_damaged_calibration_file_is_ignored_and_rewritten(tmp_path, monkeypat
     """A calibration that cannot be read, or holds a size no method can use, is not used: the
     default size is, and --calibrate writes a good file over it."""
     import calibrate
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model = tiny_model()
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))

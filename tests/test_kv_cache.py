@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import full_logits, random_model, tiny_hf_config
+from helpers import full_logits, random_model, tiny_hf_config
 from kv_cache import KVCache
 
 # ---- the cache: chunking, rollback and keeping tree nodes change nothing ---------------------------

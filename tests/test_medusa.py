@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
-from conftest import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
+from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                       self_distilled_record, tiny_model)
 from medusa import MedusaDrafter, MedusaHeads, answer_features, load_drafter, medusa_accuracy, medusa_loss
 

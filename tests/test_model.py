@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import full_logits, tiny_hf_config, write_checkpoint
+from helpers import full_logits, tiny_hf_config, write_checkpoint
 from decode import generate
 from model import load_checkpoint
 

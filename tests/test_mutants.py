@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 MUTANTS = {  # name -> (file, the correct code, the mistake, the test file that must catch it)
     "n-gram: the shortest context wins": (

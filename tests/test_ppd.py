@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
-from conftest import (accuracy_tables, assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla,
+from helpers import (accuracy_tables, assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla,
                       random_accuracy, random_model, self_distilled_record, tiny_hf_config, tiny_model)
 from errors import UserError
 from ppd import (

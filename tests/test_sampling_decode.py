@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import verify as verify_module
-from conftest import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
+from helpers import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import MedusaDrafter, MedusaHeads

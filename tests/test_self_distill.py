@@ -4,7 +4,7 @@ the decontamination rule drops prompts that share 13 words with a benchmark prom
 
 from hypothesis import given, settings, strategies as st
 
-from conftest import tiny_model
+from helpers import tiny_model
 from decode import generate
 from self_distill import greedy_batch, word_ngrams
 

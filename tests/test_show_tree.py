@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from cli import main
-from conftest import VOCAB_OF_TREES, cheap, trees
+from helpers import VOCAB_OF_TREES, cheap, trees
 from decode import Pass
 from show_tree import ACCEPTED, REJECTED, UNREACHED, draw_pass
 from tree import Tree

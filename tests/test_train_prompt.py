@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_prompt
-from conftest import self_distilled_record, tiny_model
+from helpers import self_distilled_record, tiny_model
 from ppd import SoftTokens, initial_embeddings, ppd_loss
 
 VOCAB = 16

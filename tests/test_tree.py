@@ -8,16 +8,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import VOCAB_OF_TREES, accuracy_tables, cheap, path_to, trees
+from helpers import VOCAB_OF_TREES, accuracy_tables, all_paths, ancestors_or_self, cheap, path_to, trees
 from tree import Tree, best_sparse_tree, expected_accepted
-
-
-def ancestors_or_self(tree, node):
-    found = {node}
-    while tree.parents[node] != -1:
-        node = tree.parents[node]
-        found.add(node)
-    return found
 
 
 @cheap  # milliseconds per example
@@ -128,8 +120,6 @@ def test_truncation_keeps_soft_counts():
 # ---- sparse trees from accuracies ---------------------------------------------------------------
 
 
-def all_paths(accuracy, max_depth):
-    return [p for d in range(1, max_depth + 1) for p in itertools.product(range(len(accuracy[0])), repeat=d)]
 
 
 

@@ -9,7 +9,6 @@ checked two ways: by enumerating every outcome of the verifier's random choices 
 and by Monte Carlo with a fixed seed against a chi-square test.
 """
 
-import itertools
 import random
 from collections import Counter
 
@@ -18,12 +17,13 @@ import torch
 from hypothesis import given, strategies as st
 
 import verify as verify_module
-from conftest import VOCAB_OF_TREES, chi_square_p_value, cheap, path_to, trees
+from helpers import (VOCAB_OF_TREES, assert_same_distribution, cheap, chi_square_p_value,
+                     continued, deterministic_trees, draft_chain_outcomes, model_joint, outcomes, path_to,
+                     random_table_model, tree_probs, trees)
 from sampling import Sampling, target_probs
 from tree import Tree
 from verify import Chance, TypicalAcceptance, verify, verify_greedy, verify_speculative, verify_typical
 
-VOCAB = 3
 
 
 # ---- greedy ---------------------------------------------------------------------------------------
@@ -63,106 +63,11 @@ def test_parallel_branches_with_a_shared_first_token_take_the_deeper_one():
     assert verdict.path == [0, 3, 4] and verdict.tokens == [1, 3, 0]
 
 
-# ---- small exact models and the verifier's outcomes, enumerated ----------------------------------
-
-def random_model(rng: random.Random, max_depth: int, zeros: bool = True) -> dict:
-    """prefix (tuple of tokens) -> p [VOCAB] for every prefix up to max_depth tokens; some tokens get
-    probability 0, as top-k / top-p cuts give them."""
-    model = {}
-    for length in range(max_depth + 1):
-        for prefix in itertools.product(range(VOCAB), repeat=length):
-            weights = torch.tensor([rng.random() ** 2 for _ in range(VOCAB)], dtype=torch.float64)
-            if zeros and rng.random() < 0.4:
-                weights[rng.randrange(VOCAB)] = 0.0
-            model[prefix] = weights / weights.sum()
-    return model
-
-
-def node_prefix(tree: Tree, node: int) -> tuple:
-    return tuple(tree.tokens[n] for n in path_to(tree, node)[1:])
-
-
-def tree_probs(tree: Tree, model: dict) -> torch.Tensor:
-    """[N, VOCAB]: what the forward pass would give, p after each node's path."""
-    return torch.stack([model[node_prefix(tree, n)] for n in range(len(tree))])
-
-
-class ScriptedChance(Chance):
-    """Plays a script of outcome indices; past its end it takes outcome 0. Records every choice
-    point (the outcome taken, how many there were) and the probability of the choices made."""
-
-    def __init__(self, script):
-        self.script, self.taken, self.weight = script, [], 1.0
-
-    def accept(self, probability) -> bool:
-        a = min(1.0, float(probability))
-        return self.choose([(True, a), (False, 1.0 - a)])
-
-    def draw(self, probs) -> int:
-        return self.choose(list(enumerate(probs.tolist())))
-
-    def choose(self, outcomes):
-        outcomes = [(value, w) for value, w in outcomes if w > 0]
-        depth = len(self.taken)
-        pick = self.script[depth] if depth < len(self.script) else 0
-        self.taken.append((pick, len(outcomes)))
-        value, w = outcomes[pick]
-        self.weight *= w
-        return value
-
-
-def outcomes(run_verifier) -> dict:
-    """{emitted tokens: probability} over every sequence of random choices, depth first."""
-    dist, scripts = Counter(), [[]]
-    while scripts:
-        script = scripts.pop()
-        chance = ScriptedChance(script)
-        dist[tuple(run_verifier(chance).tokens)] += chance.weight
-        for depth in range(len(script), len(chance.taken)):  # choice points this run opened
-            prefix = [pick for pick, _ in chance.taken[:depth]]
-            scripts += [prefix + [alternative] for alternative in range(1, chance.taken[depth][1])]
-    return dist
-
-
-def continued(emitted: dict, model: dict, length: int) -> Counter:
-    """Sequences of `length` tokens: each emission, continued by sampling the model itself."""
-    joint = Counter()
-    for tokens, w in emitted.items():
-        for rest in itertools.product(range(VOCAB), repeat=length - len(tokens)):
-            seq, prob = tokens, w
-            for token in rest:
-                prob *= float(model[seq][token])
-                seq += (token,)
-            joint[seq] += prob
-    return joint
-
-
-def model_joint(model: dict, length: int) -> Counter:
-    return continued({(): 1.0}, model, length)
-
-
-def assert_same_distribution(a: dict, b: dict):
-    for seq in set(a) | set(b):
-        assert a.get(seq, 0.0) == pytest.approx(b.get(seq, 0.0), abs=1e-12), seq
-
-
-@st.composite
-def deterministic_trees(draw, max_nodes=8, max_depth=3):
-    """Random shapes and tokens, sibling tokens may repeat (parallel branches do that)."""
-    tokens, parents, depths = [0], [-1], [0]
-    for _ in range(draw(st.integers(0, max_nodes - 1))):
-        parent = draw(st.sampled_from([n for n in range(len(tokens)) if depths[n] < max_depth]))
-        tokens.append(draw(st.integers(0, VOCAB - 1)))
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return Tree(tokens, parents)
-
-
 # ---- exact speculative sampling ------------------------------------------------------------------
 
 @given(deterministic_trees(), st.integers(0, 2**32))
 def test_tree_rule_keeps_the_model_distribution_exactly(tree, seed):
-    model = random_model(random.Random(seed), max_depth=3)
+    model = random_table_model(random.Random(seed), max_depth=3)
     probs = tree_probs(tree, model)
     emitted = outcomes(lambda chance: verify_speculative(tree, probs, chance))
     assert sum(emitted.values()) == pytest.approx(1.0, abs=1e-12)
@@ -170,27 +75,11 @@ def test_tree_rule_keeps_the_model_distribution_exactly(tree, seed):
     assert_same_distribution(continued(emitted, model, length), model_joint(model, length))
 
 
-def draft_chain_outcomes(target: dict, draft: dict, gamma: int) -> Counter:
-    """A draft model samples gamma tokens from q, then the target verifies: every draw enumerated."""
-    emitted = Counter()
-    for guess in itertools.product(range(VOCAB), repeat=gamma):
-        prefixes = [guess[:i] for i in range(gamma)]
-        q_of_guess = 1.0
-        for prefix, token in zip(prefixes, guess):
-            q_of_guess *= float(draft[prefix][token])
-        if q_of_guess == 0:
-            continue
-        tree = Tree.chain(7, list(guess), torch.stack([draft[prefix] for prefix in prefixes]))
-        for tokens, w in outcomes(lambda chance: verify_speculative(tree, tree_probs(tree, target), chance)).items():
-            emitted[tokens] += q_of_guess * w
-    return emitted
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("gamma", [1, 2, 3])
 def test_draft_model_rule_keeps_the_model_distribution_exactly(seed, gamma):
     rng = random.Random(seed)
-    target, draft = random_model(rng, gamma), random_model(rng, gamma)
+    target, draft = random_table_model(rng, gamma), random_table_model(rng, gamma)
     emitted = draft_chain_outcomes(target, draft, gamma)
     assert_same_distribution(continued(emitted, target, gamma + 1), model_joint(target, gamma + 1))
 
@@ -198,7 +87,7 @@ def test_draft_model_rule_keeps_the_model_distribution_exactly(seed, gamma):
 def test_a_wrong_residual_is_caught(monkeypatch):
     """The classic mistake: after a rejection, draw from p itself instead of norm(max(0, p - q))."""
     rng = random.Random(0)
-    target, draft = random_model(rng, 2, zeros=False), random_model(rng, 2, zeros=False)
+    target, draft = random_table_model(rng, 2, zeros=False), random_table_model(rng, 2, zeros=False)
     right = continued(draft_chain_outcomes(target, draft, 2), target, 3)
     monkeypatch.setattr(verify_module, "residual_after_rejection", lambda p, q: p)
     wrong = continued(draft_chain_outcomes(target, draft, 2), target, 3)
@@ -218,7 +107,7 @@ def test_a_rejected_token_never_returns_as_the_bonus():
 def test_monte_carlo_with_a_seed_passes_a_chi_square_test():
     """The real random source: 20 000 verify steps over a merged tree with sibling choices."""
     rng = random.Random(3)
-    model = random_model(rng, max_depth=3)
+    model = random_table_model(rng, max_depth=3)
     tree = Tree.from_branches(0, [[1, 2, 0], [1, 0], [2, 2], [0, 1, 1]], budget=9)
     probs = tree_probs(tree, model)
     generator = torch.Generator().manual_seed(1)

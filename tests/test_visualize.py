@@ -12,7 +12,7 @@ from PIL import Image
 
 import bench
 import visualize
-from conftest import tiny_artifacts
+from helpers import tiny_artifacts
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import load_drafter as load_medusa

@@ -1,0 +1,80 @@
+"""Grader of a4: greedy verification accepts exactly the deepest path of guesses that are the model's
+own choices (brute force over every node), and your loop, with any drafter, gives vanilla greedy's
+tokens, also when the accepted path is not the first nodes of the tree."""
+
+import torch
+from helpers import VOCAB_OF_TREES, assert_decodes_as_naive_greedy, cheap, naive_greedy, path_to, tiny_model, trees
+from hypothesis import given, strategies as st
+
+import adapters
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from tree import Tree
+
+verify_greedy = adapters.implementation("a4_greedy_loop", "verify_greedy")
+longest_path = adapters.implementation("a4_greedy_loop", "longest_path")
+generate = adapters.implementation("a4_greedy_loop", "generate")
+
+
+def is_right_path(tree, node, right) -> bool:
+    return all(right(n) for n in path_to(tree, node)[1:])
+
+
+@cheap
+@given(trees(), st.data())
+def test_greedy_verification_accepts_the_deepest_path_of_the_models_choices(tree, data):
+    logits = torch.tensor(data.draw(st.lists(st.lists(st.floats(-5, 5), min_size=VOCAB_OF_TREES,
+                                                      max_size=VOCAB_OF_TREES), min_size=len(tree), max_size=len(tree))))
+    choice = logits.argmax(-1).tolist()
+    verdict = verify_greedy(tree, logits)
+    where = f"tokens {tree.tokens}, parents {tree.parents}, the model's choice after each node {choice}"
+    for a, b in zip(verdict.path, verdict.path[1:]):
+        assert tree.parents[b] == a, f"{where}: your path {verdict.path} is not a root-to-node path"
+        assert tree.tokens[b] == choice[a], (f"{where}: you accepted node {b}, but its token {tree.tokens[b]} "
+                                             f"is not the model's choice after its parent {a} ({choice[a]})")
+    deepest = max(tree.depths[n] for n in range(len(tree))
+                  if is_right_path(tree, n, lambda m: tree.tokens[m] == choice[tree.parents[m]]))
+    assert len(verdict.path) - 1 == deepest, (f"{where}: there is a deeper path of right guesses ({deepest} "
+                                              f"deep) than yours, {verdict.path}")
+    assert verdict.tokens == [tree.tokens[n] for n in verdict.path[1:]] + [choice[verdict.path[-1]]], (
+        f"{where}: the new tokens are the accepted guesses, then the bonus token: the model's choice after "
+        f"the last accepted node")
+
+
+@cheap
+@given(trees(), st.data())
+def test_the_longest_path_goes_as_deep_as_right_guesses_go(tree, data):
+    right = data.draw(st.lists(st.booleans(), min_size=len(tree), max_size=len(tree)))
+    path = longest_path(tree, lambda node: right[node])
+    where = f"parents {tree.parents}, right guesses {[n for n in range(1, len(tree)) if right[n]]}"
+    assert path[0] == 0 and all(tree.parents[b] == a and right[b] for a, b in zip(path, path[1:])), (
+        f"{where}: {path} is not a path of right guesses from the root")
+    deepest = max(tree.depths[n] for n in range(len(tree)) if is_right_path(tree, n, lambda m: right[m]))
+    assert len(path) - 1 == deepest, f"{where}: there is a deeper path of right guesses ({deepest} deep) than {path}"
+
+
+class WrongBranchFirst(Drafter):
+    """Guesses a wrong token first and the right continuation (vanilla's answer) in a second branch, so
+    the accepted path is never the tree's first nodes: the loop must keep exactly the path's K/V."""
+
+    def __init__(self, answer: list[int], vocab: int):
+        self.answer, self.vocab = answer, vocab
+        self.max_draft_tokens = 4
+
+    def propose(self):
+        done = len(self.history) - self.prompt_length
+        right = self.answer[done:done + 3]
+        wrong = [(right[0] + 1) % self.vocab] if right else []
+        return Tree.from_branches(self.history[-1], [wrong, right], budget=4)
+
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(request.prompt_ids) + 1  # the root, chosen by the prefill, is history too
+
+
+def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter():
+    for seed, prompt in [(0, [1, 2, 3, 1, 2, 3, 1, 2]), (1, [5, 4, 5, 4, 5, 4]), (3, [9, 9, 2, 9, 9, 2])]:
+        model = tiny_model(seed)
+        vanilla = naive_greedy(model, prompt, 24)
+        for drafter in [Drafter(), NGramDrafter(), TrieDrafter(decoding_length=8, branch_length=4),
+                        WrongBranchFirst(vanilla, model.config.vocab_size)]:
+            assert_decodes_as_naive_greedy(generate, model, prompt, 24, drafter, "your loop")

@@ -1,0 +1,83 @@
+"""Grader of a6: exact speculative sampling. Every random choice of your verifier is enumerated (exact,
+in float64): the tokens it emits, continued by the model itself, must have exactly the model's own
+distribution, for deterministic guesses over any tree and for a chain sampled from a draft model;
+and a seeded run passes a chi-square test against it (Leviathan et al. 2023, section 2.3; Chen et al.
+2023, Algorithm 2)."""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from helpers import (assert_same_distribution, chi_square_p_value, continued, deterministic_trees, draft_chain_outcomes,
+                     model_joint, outcomes, random_table_model, tree_probs)
+from hypothesis import given, strategies as st
+
+import adapters
+import verify
+from tree import Tree
+
+verify_speculative = adapters.implementation("a6_speculative_sampling", "verify_speculative")
+residual_after_rejection = adapters.implementation("a6_speculative_sampling", "residual_after_rejection")
+RULE = ("a guess x drawn from q is accepted with probability min(1, p(x) / q(x)); after a rejection the next "
+        "try, or the bonus token, is drawn from the residual norm(max(0, p - q))")
+
+
+@pytest.fixture(autouse=True)
+def your_residual(monkeypatch):
+    adapters.install(monkeypatch, "a6_speculative_sampling", "residual_after_rejection", verify)
+
+
+@given(st.integers(0, 2**32))
+def test_the_residual_is_the_normalised_positive_part_of_p_minus_q(seed):
+    rng = random.Random(seed)
+    p, q = (torch.tensor([rng.random() for _ in range(5)], dtype=torch.float64) for _ in range(2))
+    p, q = p / p.sum(), q / q.sum()
+    expected = (p - q).clamp(min=0) / (p - q).clamp(min=0).sum()
+    got = residual_after_rejection(p, q)
+    assert torch.allclose(got, expected, atol=1e-12), (
+        f"p = {p.tolist()}, q = {q.tolist()}: after rejecting a guess drawn from q, the residual is "
+        f"norm(max(0, p - q)) = {expected.tolist()}, not {got.tolist()}")
+
+
+def assert_models_distribution(emitted, model, length, what):
+    assert sum(emitted.values()) == pytest.approx(1.0, abs=1e-12), f"{what}: the outcomes' probabilities sum to 1"
+    try:
+        assert_same_distribution(continued(emitted, model, length), model_joint(model, length))
+    except AssertionError as err:
+        raise AssertionError(f"{what}: the output's distribution is not the model's ({err}); {RULE}") from None
+
+
+@given(deterministic_trees(), st.integers(0, 2**32))
+def test_deterministic_guesses_over_any_tree_keep_the_models_distribution(tree, seed):
+    model = random_table_model(random.Random(seed), max_depth=3)
+    emitted = outcomes(lambda chance: verify_speculative(tree, tree_probs(tree, model), chance))
+    assert_models_distribution(emitted, model, max(tree.depths) + 1, f"tree {tree}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_a_chain_sampled_from_a_draft_model_keeps_the_models_distribution(seed, gamma):
+    rng = random.Random(seed)
+    target, draft = random_table_model(rng, gamma), random_table_model(rng, gamma)
+    emitted = draft_chain_outcomes(target, draft, gamma, verify_speculative)
+    assert_models_distribution(emitted, target, gamma + 1, f"a draft chain of {gamma} (seed {seed})")
+
+
+def test_a_seeded_run_passes_a_chi_square_test():
+    rng = random.Random(7)
+    target, draft = random_table_model(rng, 2, zeros=False), random_table_model(rng, 2, zeros=False)
+    generator = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(3000):
+        guess, probs = [], []
+        for _ in range(2):
+            q = draft[tuple(guess)]
+            guess.append(int(torch.multinomial(q, 1, generator=generator)))
+            probs.append(q)
+        tree = Tree.chain(7, guess, torch.stack(probs))
+        tokens = verify_speculative(tree, tree_probs(tree, target), verify.Chance(generator)).tokens
+        counts[tokens[0]] += 1
+    expected = {token: float(target[()][token]) for token in range(len(target[()]))}
+    p_value = chi_square_p_value(counts, expected)
+    assert p_value > 1e-4, f"3000 runs: first tokens {dict(counts)} against p = {expected} (p-value {p_value:.2g}); {RULE}"

@@ -1,0 +1,21 @@
+"""The course's assignments: what each one asks you to write, as the reference names it.
+
+Each entry is "module.name" or "module.Class.method" in the project's own code. The assignment's
+starter.py holds the same functions (and, for methods, a subclass of the reference class) with the
+reference's signatures and docstrings and `raise NotImplementedError` bodies; `python course/strip.py`
+writes the starters from this table, and `python course/strip.py hide DIR` writes a copy of the project
+with these bodies removed for students (see course/README.md).
+"""
+
+ASSIGNMENTS = {
+    "a3_tree_mask": ["tree.Tree.positions", "tree.Tree.ancestor_mask", "tree.Tree.attention_mask"],
+    "a4_greedy_loop": ["verify.verify_greedy", "verify.longest_path", "decode.generate"],
+    "a5_ngrams": ["drafters.MultiLevelNGram.add", "drafters.MultiLevelNGram.query"],
+    "a6_speculative_sampling": ["verify.verify_speculative", "verify.residual_after_rejection"],
+    "a8_sparse_trees": ["tree.path_probability", "tree.expected_accepted", "tree.best_sparse_tree"],
+}
+
+
+def graded_names(assignment: str) -> list[str]:
+    """The names a grader asks for: each function, and each class once (its methods come with it)."""
+    return list(dict.fromkeys(entry.split(".")[1] for entry in ASSIGNMENTS[assignment]))

@@ -1,0 +1,151 @@
+"""Typical student mistakes, planted in the reference one at a time (`pytest course --mistake NAME`).
+
+Each is the smallest change to the reference that a tired student makes. CI (tests/test_course.py)
+grades every one and checks that its assignment's grader fails with a message that points at it
+(`caught_by`, a fragment of that message).
+"""
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+import decode
+import drafters
+import kv_cache
+import tree
+import verify
+
+
+@dataclass(frozen=True)
+class Mistake:
+    assignment: str
+    name: str  # the graded function or class it replaces
+    implementation: object
+    caught_by: str  # a fragment of the grader's failure message
+
+
+# ---- a3: tree attention mask and positions ----------------------------------------------------------
+
+class PositionsByIndex(tree.Tree):
+    def positions(self, cache_length, device=None):  # the node's index in the layout instead of its depth
+        return torch.arange(len(self.tokens) + len(self.soft_slots()), device=device) + cache_length
+
+
+class CausalMask(tree.Tree):
+    def ancestor_mask(self):  # ordinary decoding's mask: every earlier row, not only the ancestors
+        rows = len(self.tokens) + len(self.soft_slots())
+        return torch.ones(rows, rows, dtype=torch.bool).tril()
+
+
+# ---- a4: greedy verification and the loop ---------------------------------------------------------
+
+def verify_greedy_own_row(tree, logits):  # a guess checked against the choice after itself, not its parent
+    choice = logits.argmax(dim=-1).tolist()
+    path = verify.longest_path(tree, lambda node: tree.tokens[node] == choice[node])
+    return verify.Verdict.of(tree, path, choice[path[-1]])
+
+
+def longest_path_first_right_child(tree, is_right):  # follows the first right child, not the deepest path
+    path = [0]
+    while right := [child for child in tree.children[path[-1]] if is_right(child)]:
+        path.append(right[0])
+    return path
+
+
+class CacheWithoutPacking(kv_cache.KVCache):
+    def keep(self, start, offsets):  # keeps the first len(path) slots of the tree, not the path's own
+        self.truncate(start + len(offsets))
+
+
+def generate_without_packing(*args, **kwargs):
+    original, decode.KVCache = decode.KVCache, CacheWithoutPacking
+    try:
+        return decode.generate(*args, **kwargs)
+    finally:
+        decode.KVCache = original
+
+
+# ---- a5: ANPD's multi-level n-grams --------------------------------------------------------------
+
+class ShortestContextFirst(drafters.MultiLevelNGram):
+    def query(self, tokens):  # the shortest matching context wins (the pseudocode's loop order)
+        for length in range(1, min(self.n - 1, len(tokens)) + 1):
+            prediction = self.best.get(tuple(tokens[-length:]))
+            if prediction is not None:
+                return prediction
+        return None
+
+
+class FirstSeenWinsTies(drafters.MultiLevelNGram):
+    def add(self, tokens, end):  # a tie keeps the token seen first instead of the most recent
+        following = tokens[end]
+        for length in range(1, min(self.n - 1, end) + 1):
+            counts = self.counts.setdefault(tuple(tokens[end - length:end]), {})
+            counts[following] = counts.get(following, 0) + 1
+            if counts[following] > counts.get(self.best.get(tuple(tokens[end - length:end])), 0):
+                self.best[tuple(tokens[end - length:end])] = following
+
+
+# ---- a6: exact speculative sampling ----------------------------------------------------------------
+
+def verify_speculative_accepting_with_p(tree, probs, chance):  # accepts x with p(x), not p(x) / q(x)
+    path = [0]
+    while True:
+        residual = probs[path[-1]]
+        for child in tree.children[path[-1]]:
+            q = verify.guess_distribution(tree, child, residual)
+            if chance.accept(residual[tree.tokens[child]]):
+                path.append(child)
+                break
+            residual = verify.residual_after_rejection(residual, q)
+        else:
+            return verify.Verdict.of(tree, path, chance.draw(residual))
+
+
+def residual_is_p(p, q):  # after a rejection, draws from p again instead of norm(max(0, p - q))
+    return p
+
+
+# ---- a8: sparse trees from accuracies ------------------------------------------------------------
+
+def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # ranks paths by their last step only
+    max_depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
+    frontier = [(-accuracy[0][rank], (rank,)) for rank in range(len(accuracy[0]))] if max_depth else []
+    heapq.heapify(frontier)
+    spec = []
+    while frontier and len(spec) < size:
+        _, path = heapq.heappop(frontier)
+        spec.append(path)
+        if len(path) < max_depth:
+            for rank, accurate in enumerate(accuracy[len(path)]):
+                heapq.heappush(frontier, (-accurate, path + (rank,)))
+    return spec
+
+
+def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, which is no guess
+    return 1 + tree.expected_accepted(accuracy, spec)
+
+
+MISTAKES = {
+    "a3/positions-by-index": Mistake("a3_tree_mask", "Tree", PositionsByIndex, "deep, so its position must be"),
+    "a3/causal-mask": Mistake("a3_tree_mask", "Tree", CausalMask, "which is not its ancestor"),
+    "a4/own-row": Mistake("a4_greedy_loop", "verify_greedy", verify_greedy_own_row,
+                          "is not the model's choice after its parent"),
+    "a4/first-right-child": Mistake("a4_greedy_loop", "longest_path", longest_path_first_right_child,
+                                    "a deeper path of right guesses"),
+    "a4/keep-without-packing": Mistake("a4_greedy_loop", "generate", generate_without_packing,
+                                       "differs from vanilla greedy"),
+    "a5/shortest-context": Mistake("a5_ngrams", "MultiLevelNGram", ShortestContextFirst,
+                                   "the longest context seen before"),
+    "a5/first-seen-wins-ties": Mistake("a5_ngrams", "MultiLevelNGram", FirstSeenWinsTies,
+                                       "the one seen last among equally frequent"),
+    "a6/accept-with-p": Mistake("a6_speculative_sampling", "verify_speculative", verify_speculative_accepting_with_p,
+                                "min(1, p(x) / q(x))"),
+    "a6/residual-is-p": Mistake("a6_speculative_sampling", "residual_after_rejection", residual_is_p,
+                                "norm(max(0, p - q))"),
+    "a8/last-rank-only": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_by_last_rank,
+                                 "the best tree of"),
+    "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,
+                               "the root is no guess"),
+}

@@ -1,0 +1,158 @@
+"""Starters and the students' copy, cut from the reference code by assignments.py's table.
+
+    python course/strip.py              # (re)write every course/<assignment>/starter.py
+    python course/strip.py hide DIR     # the students' copy in DIR: the answers replaced by their starters
+
+A stub keeps the reference's signature and docstring, word for word, and raises NotImplementedError.
+A starter stubs a function as a function, and a method as a method of a subclass of the reference
+class, so everything else the class does still works. `hide` replaces the same bodies in the copy's
+own modules by calls of the student's starter code: students cannot read the answers, and the whole
+project (decode.py, the drafters, the other assignments' graders) runs on their code as they write it.
+"""
+
+import ast
+import builtins
+import importlib
+import inspect
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+COURSE = Path(__file__).resolve().parent
+ROOT = COURSE.parent
+sys.path[:0] = [str(ROOT), str(COURSE)]
+
+from assignments import ASSIGNMENTS  # noqa: E402
+
+
+def definitions(module: str) -> tuple[str, dict[str, ast.AST]]:
+    """The module's source and its functions and methods by qualified name ("f", "Class.method")."""
+    source = (ROOT / f"{module}.py").read_text()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found |= {f"{node.name}.{item.name}": item for item in node.body if isinstance(item, ast.FunctionDef)}
+    return source, found
+
+
+def stub(source: str, function: ast.FunctionDef, assignment: str) -> str:
+    """The function's decorators, header and docstring as written, then a NotImplementedError body."""
+    lines = source.splitlines()
+    first = min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
+    docstring = function.body[0]
+    if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
+        raise SystemExit(f"{function.name} has no docstring: a stub needs one")
+    body_indent = " " * function.body[0].col_offset
+    return "\n".join(lines[first:docstring.end_lineno]
+                     + [f'{body_indent}raise NotImplementedError("{assignment}: write {function.name}")'])
+
+
+def names_used(function: ast.FunctionDef) -> set[str]:
+    """Names the signature needs at definition time: annotations and defaults."""
+    parts = [*function.args.defaults, *[d for d in function.args.kw_defaults if d], function.returns,
+             *[a.annotation for a in [*function.args.args, *function.args.kwonlyargs] if a.annotation]]
+    return {n.id for part in parts if part is not None for n in ast.walk(part) if isinstance(n, ast.Name)}
+
+
+def starter(assignment: str) -> str:
+    """The text of course/<assignment>/starter.py."""
+    by_module = defaultdict(list)
+    for entry in ASSIGNMENTS[assignment]:
+        module, qualified = entry.split(".", 1)
+        by_module[module].append(qualified)
+    imports, blocks = set(), []
+    for module, qualified_names in by_module.items():
+        source, found = definitions(module)
+        classes = defaultdict(list)
+        for qualified in qualified_names:
+            function = found[qualified]
+            for name in sorted(names_used(function) - set(dir(builtins))):
+                value = getattr(importlib.import_module(module), name)
+                imports.add(f"import {value.__name__}" if inspect.ismodule(value) else f"from {module} import {name}")
+            if "." in qualified:
+                classes[qualified.split(".")[0]].append(stub(source, function, assignment))
+                imports.add(f"import {module}")
+            else:
+                blocks.append(stub(source, function, assignment))
+        for cls, methods in classes.items():
+            blocks.append(f"class {cls}({module}.{cls}):\n" + "\n\n".join(methods))
+    doc = (f'"""Assignment {assignment}: your code (see handout.md). Each stub below has the reference\'s\n'
+           f'signature and docstring; replace its NotImplementedError with your implementation, then run\n\n'
+           f'    python -m pytest course/{assignment}\n"""')
+    return doc + "\n\n" + "\n".join(sorted(imports)) + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
+
+
+def forwarded(function: ast.FunctionDef) -> str:
+    """The call that passes a function's own parameters on, as they came: "f(a, b, *args, c=c)"."""
+    a = function.args
+    parts = [arg.arg for arg in [*a.posonlyargs, *a.args]]
+    parts += [f"*{a.vararg.arg}"] if a.vararg else []
+    parts += [f"{arg.arg}={arg.arg}" for arg in a.kwonlyargs]
+    parts += [f"**{a.kwarg.arg}"] if a.kwarg else []
+    return f"{function.name}({', '.join(parts)})"
+
+
+def hidden(module: str, entries: list[tuple[str, str]]) -> str:
+    """The module's source with each (qualified name, assignment)'s body replaced by a call of the
+    student's code in that assignment's starter.py (docstrings kept)."""
+    source, found = definitions(module)
+    lines = source.splitlines()
+    for qualified, assignment in sorted(entries, key=lambda e: -found[e[0]].lineno):  # bottom up
+        function = found[qualified]
+        indent = " " * function.body[0].col_offset
+        owner = qualified.split(".")[0] + "." if "." in qualified else ""
+        lines[function.body[0].end_lineno:function.end_lineno] = [
+            f"{indent}from course_starters import yours  # this copy runs the student's code (course/README.md)",
+            f"{indent}return yours(\"{assignment}\").{owner}{forwarded(function)}"]
+    return "\n".join(lines) + "\n"
+
+
+STARTER_LOADER = '''"""The students' copy of the course: the project's functions that are assignments call the student's
+code in course/<assignment>/starter.py (written by course/strip.py hide)."""
+
+import functools
+import importlib.util
+from pathlib import Path
+
+
+@functools.cache
+def yours(assignment: str):
+    path = Path(__file__).resolve().parent / "course" / assignment / "starter.py"
+    spec = importlib.util.spec_from_file_location(f"{assignment}_starter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+'''
+
+
+def hide(destination: Path) -> None:
+    """A students' copy of the project: every assignment's reference body replaced by a call of the
+    student's starter, so the whole project runs on the student's code as it is written."""
+    if destination.exists():
+        raise SystemExit(f"{destination} exists; give a new folder")
+    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache",
+                                                                      ".hypothesis", ".gpu"))
+    by_module = defaultdict(list)
+    for assignment, entries in ASSIGNMENTS.items():
+        for entry in entries:
+            module, qualified = entry.split(".", 1)
+            by_module[module].append((qualified, assignment))
+    for module, entries in by_module.items():
+        (destination / f"{module}.py").write_text(hidden(module, entries))
+    (destination / "course_starters.py").write_text(STARTER_LOADER)
+    print(f"students' copy in {destination}: {sum(map(len, by_module.values()))} bodies now call the starters")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["hide"] and len(sys.argv) == 3:
+        hide(Path(sys.argv[2]))
+    elif len(sys.argv) == 1:
+        for name in ASSIGNMENTS:
+            (COURSE / name).mkdir(exist_ok=True)
+            (COURSE / name / "starter.py").write_text(starter(name))
+            print(f"course/{name}/starter.py")
+    else:
+        raise SystemExit("usage: python course/strip.py [hide DIR]")
