@@ -5,7 +5,6 @@ grades every one and checks that its assignment's grader fails with a message th
 (`caught_by`, a fragment of that message).
 """
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -109,18 +108,14 @@ def residual_is_p(p, q):  # after a rejection, draws from p again instead of nor
 
 # ---- a8: sparse trees from accuracies ------------------------------------------------------------
 
-def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # ranks paths by their last step only
-    max_depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
-    frontier = [(-accuracy[0][rank], (rank,)) for rank in range(len(accuracy[0]))] if max_depth else []
-    heapq.heapify(frontier)
-    spec = []
-    while frontier and len(spec) < size:
-        _, path = heapq.heappop(frontier)
-        spec.append(path)
-        if len(path) < max_depth:
-            for rank, accurate in enumerate(accuracy[len(path)]):
-                heapq.heappush(frontier, (-accurate, path + (rank,)))
-    return spec
+def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # a path's worth: its last step only
+    every = tree.best_sparse_tree(accuracy, sum(len(a) for a in accuracy) ** len(accuracy), max_depth)
+    chosen, candidates = [], [path for path in every if len(path) == 1]
+    while candidates and len(chosen) < size:
+        best = max(candidates, key=lambda path: accuracy[len(path) - 1][path[-1]])
+        chosen.append(best)
+        candidates = [path for path in candidates if path != best] + [p for p in every if p[:-1] == best]
+    return chosen
 
 
 def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, which is no guess

@@ -30,7 +30,7 @@ settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True
 settings.register_profile("thorough", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # For properties that cost milliseconds per example: at least 200 examples, whatever the profile (25
-# let a planted mistake through once; tests/test_mutants.py keeps checking that they catch them).
+# let a planted mistake through once; tests/test_course.py keeps checking that the graders catch them).
 cheap = settings(max_examples=max(settings.default.max_examples, 200))
 
 
@@ -231,17 +231,34 @@ def all_paths(accuracy, max_depth):
     return [p for d in range(1, max_depth + 1) for p in itertools.product(range(len(accuracy[0])), repeat=d)]
 
 
-def naive_ngram_query(seen, context, n):
-    """Scan everything seen: after the longest matching context (up to n-1 tokens), the most
-    frequent next token, the one seen last among equally frequent ones."""
+def ngram_evidence(seen, context, n) -> tuple[list, list]:
+    """The longest end of `context` (at most n-1 tokens) that occurs in `seen`, and every token that
+    followed it there, in order; ([], []) when no end of it occurs."""
     for length in range(min(n - 1, len(context)), 0, -1):
         suffix = context[-length:]
         following = [seen[i] for i in range(length, len(seen)) if seen[i - length:i] == suffix]
         if following:
-            counts = {t: following.count(t) for t in following}
-            top = max(counts.values())
-            return [t for t in following if counts[t] == top][-1]
-    return None
+            return suffix, following
+    return [], []
+
+
+def naive_ngram_query(seen, context, n):
+    """Scan everything seen: after the longest matching context (up to n-1 tokens), the most
+    frequent next token, the one seen last among equally frequent ones."""
+    _, following = ngram_evidence(seen, context, n)
+    if not following:
+        return None
+    counts = {t: following.count(t) for t in following}
+    return [t for t in following if counts[t] == max(counts.values())][-1]
+
+
+@st.composite
+def text_and_queries(draw):
+    """Text over a small alphabet (so contexts repeat at every level) and queries: random token
+    lists, and contexts cut from the text itself, which match at several levels at once."""
+    seen = draw(st.lists(st.integers(0, 3), max_size=60))
+    cuts = st.tuples(st.integers(0, len(seen)), st.integers(1, 6)).map(lambda c: seen[max(c[0] - c[1], 0):c[0]])
+    return seen, draw(st.lists(st.lists(st.integers(0, 5), max_size=60) | cuts, max_size=6))
 
 
 # ---- small exact models and a verifier's outcomes, enumerated --------------------------------------

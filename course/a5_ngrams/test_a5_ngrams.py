@@ -2,7 +2,7 @@
 scan of everything seen does: the longest matching context wins, then its most frequent next token,
 the one seen last among equally frequent ones (ANPD section 3.2, Algorithm 2)."""
 
-from helpers import cheap, naive_ngram_query
+from helpers import cheap, naive_ngram_query, ngram_evidence, text_and_queries
 from hypothesis import given, strategies as st
 
 import adapters
@@ -12,21 +12,12 @@ MultiLevelNGram = adapters.implementation("a5_ngrams", "MultiLevelNGram")
 
 def explanation(seen, query, n) -> str:
     """What a naive scan finds for `query`: the longest context seen before, and what came after it."""
-    for length in range(min(n - 1, len(query)), 0, -1):
-        context = query[-length:]
-        following = [seen[i] for i in range(length, len(seen)) if seen[i - length:i] == context]
-        if following:
-            counts = {t: following.count(t) for t in dict.fromkeys(following)}
-            return (f"the longest context seen before is {length} token(s), {context}, followed by {following} "
-                    f"(counts {counts}): the most frequent wins, the one seen last among equally frequent ones")
-    return "no context of the query was seen: the answer is None"
-
-
-@st.composite
-def text_and_queries(draw):
-    seen = draw(st.lists(st.integers(0, 3), max_size=40))
-    cuts = st.tuples(st.integers(0, len(seen)), st.integers(1, 5)).map(lambda c: seen[max(c[0] - c[1], 0):c[0]])
-    return seen, draw(st.lists(cuts | st.lists(st.integers(0, 3), max_size=5), min_size=1, max_size=5))
+    context, following = ngram_evidence(seen, query, n)
+    if not following:
+        return "no end of the query was seen: the answer is None"
+    counts = {t: following.count(t) for t in dict.fromkeys(following)}
+    return (f"the longest context seen before is {len(context)} token(s), {context}, followed by {following} "
+            f"(counts {counts}): the most frequent wins, the one seen last among equally frequent ones")
 
 
 @cheap

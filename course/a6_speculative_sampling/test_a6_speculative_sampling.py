@@ -55,8 +55,8 @@ def test_deterministic_guesses_over_any_tree_keep_the_models_distribution(tree, 
     assert_models_distribution(emitted, model, max(tree.depths) + 1, f"tree {tree}")
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("gamma", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("gamma", [1, 2, 3])
 def test_a_chain_sampled_from_a_draft_model_keeps_the_models_distribution(seed, gamma):
     rng = random.Random(seed)
     target, draft = random_table_model(rng, gamma), random_table_model(rng, gamma)
