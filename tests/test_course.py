@@ -91,3 +91,11 @@ def test_the_students_copy_has_no_answers(tmp_path):
              "    try:\n        call()\n    except NotImplementedError:\n        continue\n"
              "    raise SystemExit('an answer is still there')\n")
     subprocess.run([sys.executable, "-c", check], cwd=tmp_path / "copy", check=True, capture_output=True)
+
+
+def test_the_walkthrough_runs_and_shows_each_methods_step(default_model_dir):
+    run = subprocess.run([sys.executable, str(COURSE / "walkthrough.py")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for method in ["anpd", "lookahead", "speculative", "medusa", "ppd"]:
+        assert f"=============== {method}:" in run.stdout
+    assert run.stdout.count("5. the cache holds") == 5 and ": False" not in run.stdout  # keep moved the path
