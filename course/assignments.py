@@ -8,6 +8,7 @@ with these bodies removed for students (see course/README.md).
 """
 
 ASSIGNMENTS = {
+    "a2_kv_cache": ["kv_cache.KVCache.write", "kv_cache.KVCache.truncate", "kv_cache.KVCache.keep"],
     "a3_tree_mask": ["tree.Tree.positions", "tree.Tree.ancestor_mask", "tree.Tree.attention_mask"],
     "a4_greedy_loop": ["verify.verify_greedy", "verify.longest_path", "decode.generate"],
     "a5_ngrams": ["drafters.MultiLevelNGram.add", "drafters.MultiLevelNGram.query"],

@@ -24,6 +24,19 @@ class Mistake:
     caught_by: str  # a fragment of the grader's failure message
 
 
+# ---- a2: the KV cache ------------------------------------------------------------------------------
+
+class KeepWithoutPacking(kv_cache.KVCache):
+    def keep(self, start, offsets):  # keeps the first len(offsets) slots after start, not the chosen ones
+        self.truncate(start + len(offsets))
+
+
+class WriteReturnsOnlyTheNew(kv_cache.KVCache):
+    def write(self, layer, k, v):  # returns the pass's own K/V: attention would not see the cache
+        super().write(layer, k, v)
+        return k, v
+
+
 # ---- a3: tree attention mask and positions ----------------------------------------------------------
 
 class PositionsByIndex(tree.Tree):
@@ -52,13 +65,8 @@ def longest_path_first_right_child(tree, is_right):  # follows the first right c
     return path
 
 
-class CacheWithoutPacking(kv_cache.KVCache):
-    def keep(self, start, offsets):  # keeps the first len(path) slots of the tree, not the path's own
-        self.truncate(start + len(offsets))
-
-
 def generate_without_packing(*args, **kwargs):
-    original, decode.KVCache = decode.KVCache, CacheWithoutPacking
+    original, decode.KVCache = decode.KVCache, KeepWithoutPacking  # the loop keeps the wrong slots
     try:
         return decode.generate(*args, **kwargs)
     finally:
@@ -123,6 +131,9 @@ def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, whi
 
 
 MISTAKES = {
+    "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
+    "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
+                                             "the layer's whole history"),
     "a3/positions-by-index": Mistake("a3_tree_mask", "Tree", PositionsByIndex, "deep, so its position must be"),
     "a3/causal-mask": Mistake("a3_tree_mask", "Tree", CausalMask, "which is not its ancestor"),
     "a4/own-row": Mistake("a4_greedy_loop", "verify_greedy", verify_greedy_own_row,

@@ -47,7 +47,7 @@ def stub(source: str, function: ast.FunctionDef, assignment: str) -> str:
         raise SystemExit(f"{function.name} has no docstring: a stub needs one")
     body_indent = " " * function.body[0].col_offset
     return "\n".join(lines[first:docstring.end_lineno]
-                     + [f'{body_indent}raise NotImplementedError("{assignment}: write {function.name}")'])
+                     + [f'{body_indent}raise NotImplementedError("{assignment}: implement {function.name}")'])
 
 
 def names_used(function: ast.FunctionDef) -> set[str]:

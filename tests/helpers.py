@@ -23,6 +23,7 @@ import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
 from medusa import MedusaHeads  # noqa: E402
 from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
+from drafters import Drafter  # noqa: E402
 from tree import Tree  # noqa: E402
 from verify import Chance, verify_speculative  # noqa: E402
 
@@ -188,6 +189,25 @@ def assert_decodes_as_naive_greedy(generate_function, model, prompt, max_new_tok
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
     assert got == expected, (f"prompt {prompt}: {whose} with {type(drafter).__name__} differs from vanilla greedy "
                              f"at new token {first}: {got} vs {expected}")
+
+
+class WrongBranchFirst(Drafter):
+    """Guesses a wrong token first and the right continuation (vanilla's answer) in a second branch, so
+    the accepted path is never the tree's first nodes: the loop must keep exactly the path's K/V."""
+
+    def __init__(self, answer: list[int], vocab: int):
+        self.answer, self.vocab = answer, vocab
+        self.max_draft_tokens = 4
+
+    def propose(self):
+        done = len(self.history) - self.prompt_length
+        right = self.answer[done:done + 3]
+        wrong = [(right[0] + 1) % self.vocab] if right else []
+        return Tree.from_branches(self.history[-1], [wrong, right], budget=4)
+
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(request.prompt_ids) + 1  # the root, chosen by the prefill, is history too
 
 
 def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter):

@@ -17,14 +17,14 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
     """Accept the longest root-to-node path on which every guess is the model's own choice (the
     argmax of its parent's logits), then add the bonus token: the choice after the path's last node.
     logits: [N, V], row i scoring the token after node i."""
-    raise NotImplementedError("a4_greedy_loop: write verify_greedy")
+    raise NotImplementedError("a4_greedy_loop: implement verify_greedy")
 
 
 def longest_path(tree: Tree, is_right) -> list[int]:
     """The longest root-to-node path on which every node's token is right after its parent
     (is_right(node)). Several children may carry a right token (parallel branches repeat a
     prefix): the one leading deepest wins. Each node is visited once, as a node has only one parent."""
-    raise NotImplementedError("a4_greedy_loop: write longest_path")
+    raise NotImplementedError("a4_greedy_loop: implement longest_path")
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
@@ -34,4 +34,4 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     or with the lossy `typical` acceptance). `on_tokens(ids, guessed)` is called after every pass
     with its new tokens, of which the first `guessed` were accepted guesses; `on_pass(Pass)` after
     every pass but the prefill."""
-    raise NotImplementedError("a4_greedy_loop: write generate")
+    raise NotImplementedError("a4_greedy_loop: implement generate")

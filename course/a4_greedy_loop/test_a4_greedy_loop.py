@@ -3,12 +3,12 @@ own choices (brute force over every node), and your loop, with any drafter, give
 tokens, also when the accepted path is not the first nodes of the tree."""
 
 import torch
-from helpers import VOCAB_OF_TREES, assert_decodes_as_naive_greedy, cheap, naive_greedy, path_to, tiny_model, trees
+from helpers import (VOCAB_OF_TREES, WrongBranchFirst, assert_decodes_as_naive_greedy, cheap, naive_greedy, path_to,
+                     tiny_model, trees)
 from hypothesis import given, strategies as st
 
 import adapters
 from drafters import Drafter, NGramDrafter, TrieDrafter
-from tree import Tree
 
 verify_greedy = adapters.implementation("a4_greedy_loop", "verify_greedy")
 longest_path = adapters.implementation("a4_greedy_loop", "longest_path")
@@ -50,25 +50,6 @@ def test_the_longest_path_goes_as_deep_as_right_guesses_go(tree, data):
         f"{where}: {path} is not a path of right guesses from the root")
     deepest = max(tree.depths[n] for n in range(len(tree)) if is_right_path(tree, n, lambda m: right[m]))
     assert len(path) - 1 == deepest, f"{where}: there is a deeper path of right guesses ({deepest} deep) than {path}"
-
-
-class WrongBranchFirst(Drafter):
-    """Guesses a wrong token first and the right continuation (vanilla's answer) in a second branch, so
-    the accepted path is never the tree's first nodes: the loop must keep exactly the path's K/V."""
-
-    def __init__(self, answer: list[int], vocab: int):
-        self.answer, self.vocab = answer, vocab
-        self.max_draft_tokens = 4
-
-    def propose(self):
-        done = len(self.history) - self.prompt_length
-        right = self.answer[done:done + 3]
-        wrong = [(right[0] + 1) % self.vocab] if right else []
-        return Tree.from_branches(self.history[-1], [wrong, right], budget=4)
-
-    def begin(self, request):
-        super().begin(request)
-        self.prompt_length = len(request.prompt_ids) + 1  # the root, chosen by the prefill, is history too
 
 
 def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter():

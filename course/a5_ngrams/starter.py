@@ -11,8 +11,8 @@ import drafters
 class MultiLevelNGram(drafters.MultiLevelNGram):
     def add(self, tokens: Sequence[int], end: int) -> None:
         """Record tokens[end] as the continuation of each context of 1..N-1 tokens ending before it."""
-        raise NotImplementedError("a5_ngrams: write add")
+        raise NotImplementedError("a5_ngrams: implement add")
 
     def query(self, tokens: Sequence[int]) -> int | None:
         """The predicted token after `tokens`, or None when no level has seen its context."""
-        raise NotImplementedError("a5_ngrams: write query")
+        raise NotImplementedError("a5_ngrams: implement query")

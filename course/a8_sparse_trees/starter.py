@@ -10,12 +10,12 @@ from tree import Sequence
 
 def path_probability(accuracy: Sequence[Sequence[float]], path: Sequence[int]) -> float:
     """How often the node of rank path `path` is accepted: the product of its ranks' accuracies."""
-    raise NotImplementedError("a8_sparse_trees: write path_probability")
+    raise NotImplementedError("a8_sparse_trees: implement path_probability")
 
 
 def expected_accepted(accuracy: Sequence[Sequence[float]], spec: Iterable[Sequence[int]]) -> float:
     """f(T): the expected number of accepted guesses of the sparse tree `spec`."""
-    raise NotImplementedError("a8_sparse_trees: write expected_accepted")
+    raise NotImplementedError("a8_sparse_trees: implement expected_accepted")
 
 
 def best_sparse_tree(accuracy: Sequence[Sequence[float]], size: int, max_depth: int | None = None) -> list[tuple]:
@@ -23,4 +23,4 @@ def best_sparse_tree(accuracy: Sequence[Sequence[float]], size: int, max_depth: 
     of accepted guesses, at most `max_depth` deep: grow greedily by the most probable path whose
     parent is already in. A child is never more probable than its parent, so the `size` most
     probable paths are prefix-closed and the greedy choice is the optimum (Medusa's construction)."""
-    raise NotImplementedError("a8_sparse_trees: write best_sparse_tree")
+    raise NotImplementedError("a8_sparse_trees: implement best_sparse_tree")
