@@ -141,10 +141,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in at least float32 so bfloat16 does not lose the small variance
-        wide = x.to(at_least_float32(x.dtype))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (Zhang and Sennrich 2019).
+    x: [..., D], weight: [D]."""
+    wide = x.to(at_least_float32(x.dtype))  # in at least float32: bfloat16 would lose the small variance
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 ROPE_SCALING_KEYS = {"linear": ["factor"],

@@ -8,6 +8,7 @@ with these bodies removed for students (see course/README.md).
 """
 
 ASSIGNMENTS = {
+    "a1_llama": ["model.rms_norm", "model.rotary_cos_sin", "model.apply_rotary", "model.grouped_attention"],
     "a2_kv_cache": ["kv_cache.KVCache.write", "kv_cache.KVCache.truncate", "kv_cache.KVCache.keep"],
     "a3_tree_mask": ["tree.Tree.positions", "tree.Tree.ancestor_mask", "tree.Tree.attention_mask"],
     "a4_greedy_loop": ["verify.verify_greedy", "verify.longest_path", "decode.generate"],

@@ -12,6 +12,7 @@ import torch
 import decode
 import drafters
 import kv_cache
+import model
 import tree
 import verify
 
@@ -22,6 +23,22 @@ class Mistake:
     name: str  # the graded function or class it replaces
     implementation: object
     caught_by: str  # a fragment of the grader's failure message
+
+
+# ---- a1: RMSNorm, RoPE, grouped-query attention ----------------------------------------------------
+
+def apply_rotary_interleaved(x, cos, sin):  # pairs (x_2i, x_2i+1) (GPT-J's layout), not (x_i, x_i+E/2)
+    rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+def grouped_attention_heads_modulo(q, k, v, mask):  # query head h uses K/V head h % K, not h // G
+    groups = q.shape[1] // k.shape[1]
+    return model.grouped_attention(q, k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1), mask)
+
+
+def rms_norm_by_the_sum(x, weight, eps):  # divides by sqrt(sum(x^2)), not sqrt(mean(x^2))
+    return weight * x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 # ---- a2: the KV cache ------------------------------------------------------------------------------
@@ -131,6 +148,11 @@ def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, whi
 
 
 MISTAKES = {
+    "a1/rope-interleaved-pairs": Mistake("a1_llama", "apply_rotary", apply_rotary_interleaved,
+                                         "x_i pairs with x_(i+E/2)"),
+    "a1/gqa-heads-modulo": Mistake("a1_llama", "grouped_attention", grouped_attention_heads_modulo,
+                                   "consecutive query heads share one"),
+    "a1/rms-by-the-sum": Mistake("a1_llama", "rms_norm", rms_norm_by_the_sum, "x / sqrt(mean(x^2) + eps)"),
     "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
     "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
                                              "the layer's whole history"),

@@ -173,6 +173,38 @@ def random_accuracy(rng, depth, ranks):
     return [sorted((rng.random() / ranks for _ in range(ranks)), reverse=True) for _ in range(depth)]
 
 
+def wholly_float64(theirs):
+    """transformers' Llama with its RMSNorms and rotary angles in float64 like the rest: it computes
+    them in float32 even in a float64 model, which moved a few logits by up to 2e-4 (500-example runs
+    found such cases). Each layer's formula is the paper's, as transformers writes it."""
+    rotary = theirs.model.rotary_emb
+
+    def rotary_forward(x, position_ids):
+        angles = position_ids[..., None].double() * rotary.inv_freq.double()  # [B, T, E/2]
+        both_halves = torch.cat([angles, angles], dim=-1)
+        scale = rotary.attention_scaling
+        return (both_halves.cos() * scale).to(x.dtype), (both_halves.sin() * scale).to(x.dtype)
+
+    def rms_norm(norm):
+        return lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    rotary.forward = rotary_forward
+    for module in theirs.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = rms_norm(module)
+    return theirs
+
+
+def transformers_logits(folder, sequence: list[int]) -> torch.Tensor:
+    """[len, V]: Hugging Face transformers' Llama on the checkpoint in `folder`, wholly in float64 (an
+    implementation independent of ours)."""
+    import transformers
+
+    theirs = wholly_float64(transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval())
+    with torch.inference_mode():
+        return theirs(torch.tensor([sequence])).logits[0]
+
+
 def naive_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Vanilla greedy decoding the plainest way: one full forward pass over the whole sequence per new
     token, no cache and none of the project's loop (the course's graders compare with it)."""

@@ -5,9 +5,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import full_logits, tiny_hf_config, write_checkpoint
+from helpers import full_logits, tiny_hf_config, transformers_logits, write_checkpoint
 from decode import generate
 from model import load_checkpoint
+
+transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a Python function that returns the n-th Fibonacci number."]
@@ -17,7 +19,6 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.",
 
 @pytest.fixture(scope="module")
 def hf_reference(default_model_dir):
-    transformers = pytest.importorskip("transformers")
     return transformers.LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
@@ -53,40 +54,15 @@ ROPE_SCALINGS = [None,
 @given(layers=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
        tied=st.booleans(), scaling=st.sampled_from(ROPE_SCALINGS), seed=st.integers(0, 2**16))
 def test_tiny_checkpoints_match_transformers(tmp_path_factory, layers, kv_heads, group, tied, scaling, seed):
-    transformers = pytest.importorskip("transformers")
     config = tiny_hf_config(layers=layers, heads=kv_heads * group, kv_heads=kv_heads, tied=tied,
                             rope_scaling=scaling)
     folder = write_checkpoint(tmp_path_factory.mktemp("ckpt"), config, seed)
-    ours = load_checkpoint(folder, torch.float64)
-    theirs = wholly_float64(transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval())
-    sequence = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator().manual_seed(seed))
+    sequence = torch.randint(0, config["vocab_size"], (40,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.inference_mode():
-        expected = theirs(sequence[None]).logits[0]
         # what is left is transformers' inverse frequencies, rounded to float32 (~2e-5 here); a wrong
         # layout, GQA grouping or scaling moves these logits by ~1
-        assert torch.allclose(full_logits(ours, sequence.tolist()), expected, atol=1e-4, rtol=0)
-
-
-def wholly_float64(theirs):
-    """transformers' Llama with its RMSNorms and rotary angles in float64 like the rest: it computes
-    them in float32 even in a float64 model, which moved a few logits by up to 2e-4 (500-example runs
-    found such cases). Each layer's formula is the paper's, as transformers writes it."""
-    rotary = theirs.model.rotary_emb
-
-    def rotary_forward(x, position_ids):
-        angles = position_ids[..., None].double() * rotary.inv_freq.double()  # [B, T, E/2]
-        both_halves = torch.cat([angles, angles], dim=-1)
-        scale = rotary.attention_scaling
-        return (both_halves.cos() * scale).to(x.dtype), (both_halves.sin() * scale).to(x.dtype)
-
-    def rms_norm(norm):
-        return lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    rotary.forward = rotary_forward
-    for module in theirs.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = rms_norm(module)
-    return theirs
+        assert torch.allclose(full_logits(load_checkpoint(folder, torch.float64), sequence),
+                              transformers_logits(folder, sequence), atol=1e-4, rtol=0)
 
 
 def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, default_model_dir):
