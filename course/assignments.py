@@ -14,6 +14,7 @@ ASSIGNMENTS = {
     "a4_greedy_loop": ["verify.verify_greedy", "verify.longest_path", "decode.generate"],
     "a5_ngrams": ["drafters.MultiLevelNGram.add", "drafters.MultiLevelNGram.query"],
     "a6_speculative_sampling": ["verify.verify_speculative", "verify.residual_after_rejection"],
+    "a7_trie": ["drafters.Trie.add", "drafters.Trie.prune", "drafters.TrieDrafter.retrieve"],
     "a8_sparse_trees": ["tree.path_probability", "tree.expected_accepted", "tree.best_sparse_tree"],
 }
 

@@ -131,6 +131,32 @@ def residual_is_p(p, q):  # after a rejection, draws from p again instead of nor
     return p
 
 
+# ---- a7: Lookahead's trie ------------------------------------------------------------------------
+
+class PruneTheMostFrequent(drafters.Trie):
+    def prune(self, capacity):  # removes the most frequent node first, one at a time
+        while self.node_count > capacity:
+            nodes, stack = [], list(self.root.children.values())
+            while stack:
+                nodes.append(stack.pop())
+                stack.extend(nodes[-1].children.values())
+            self._remove(max(nodes, key=lambda node: node.prompt_count + node.output_count))
+            self.node_count = self._descendants(self.root)
+
+
+class CountsOneTokenTooFew(drafters.Trie):
+    def add(self, tokens, new_from, *, first_start=0, from_prompt=False):  # sequences of depth - 1 tokens at most
+        self.depth -= 1
+        try:
+            super().add(tokens, new_from, first_start=first_start, from_prompt=from_prompt)
+        finally:
+            self.depth += 1
+
+
+class ShortestContextRetrievedFirst(drafters.TrieDrafter):
+    PREFIX_LENGTHS = (1, 2, 3, 4)  # retrieval tries the shortest context first
+
+
 # ---- a8: sparse trees from accuracies ------------------------------------------------------------
 
 def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # a path's worth: its last step only
@@ -172,6 +198,10 @@ MISTAKES = {
                                 "min(1, p(x) / q(x))"),
     "a6/residual-is-p": Mistake("a6_speculative_sampling", "residual_after_rejection", residual_is_p,
                                 "norm(max(0, p - q))"),
+    "a7/prune-the-most-frequent": Mistake("a7_trie", "Trie", PruneTheMostFrequent, "the least frequent go first"),
+    "a7/counts-one-token-too-few": Mistake("a7_trie", "Trie", CountsOneTokenTooFew, "each occurrence once"),
+    "a7/shortest-context-first": Mistake("a7_trie", "TrieDrafter", ShortestContextRetrievedFirst,
+                                         "that branch comes first"),
     "a8/last-rank-only": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_by_last_rank,
                                  "the best tree of"),
     "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,

@@ -205,6 +205,45 @@ def transformers_logits(folder, sequence: list[int]) -> torch.Tensor:
         return theirs(torch.tensor([sequence])).logits[0]
 
 
+# ---- Lookahead's trie, counted naively ---------------------------------------------------------
+
+def trie_counts(trie):
+    """{token sequence: (prompt count, output count)} for every node."""
+    found = {}
+    stack = [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            found[path + (token,)] = (child.prompt_count, child.output_count)
+            stack.append((path + (token,), child))
+    return found
+
+
+def occurrences(text, depth):
+    """{sequence: times it occurs in text} for every sequence of 1..depth tokens."""
+    counts = {}
+    for start in range(len(text)):
+        for end in range(start + 1, min(start + depth, len(text)) + 1):
+            counts[tuple(text[start:end])] = counts.get(tuple(text[start:end]), 0) + 1
+    return counts
+
+
+def assert_trie_invariants(trie):
+    counts = trie_counts(trie)
+    assert trie.node_count == len(counts)
+    for path, (prompt, output) in counts.items():
+        assert prompt + output > 0, "a node nobody counted should be gone"
+        assert len(path) <= trie.depth
+        if len(path) > 1:  # a sequence occurs at most as often as its prefix
+            parent_prompt, parent_output = counts[path[:-1]]
+            assert prompt <= parent_prompt and output <= parent_output
+
+
+requests = st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=20),
+                              st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), max_size=6)),
+                    min_size=1, max_size=4)
+
+
 def naive_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Vanilla greedy decoding the plainest way: one full forward pass over the whole sequence per new
     token, no cache and none of the project's loop (the course's graders compare with it)."""
