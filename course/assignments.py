@@ -16,6 +16,7 @@ ASSIGNMENTS = {
     "a6_speculative_sampling": ["verify.verify_speculative", "verify.residual_after_rejection"],
     "a7_trie": ["drafters.Trie.add", "drafters.Trie.prune", "drafters.TrieDrafter.retrieve"],
     "a8_sparse_trees": ["tree.path_probability", "tree.expected_accepted", "tree.best_sparse_tree"],
+    "a9_capstone": ["calibrate.calibrate"],
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+import calibrate
 import decode
 import drafters
 import kv_cache
@@ -173,6 +174,19 @@ def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, whi
     return 1 + tree.expected_accepted(accuracy, spec)
 
 
+# ---- a9: the hardware-aware tree size --------------------------------------------------------------
+
+def calibrate_for_the_most_guesses(model, method, tau_of_rows):  # the largest tau(n), whatever a pass costs
+    _, table = calibrate.calibrate(model, method, tau_of_rows)
+    return max(table, key=lambda entry: entry["tau"])["rows"], table
+
+
+def calibrate_with_the_ratio_upside_down(model, method, tau_of_rows):  # tau(n) L(n) / L(1)
+    _, table = calibrate.calibrate(model, method, tau_of_rows)
+    table = [entry | {"predicted_speedup": entry["tau"] ** 2 / entry["predicted_speedup"]} for entry in table]
+    return max(table, key=lambda entry: entry["predicted_speedup"])["rows"], table
+
+
 MISTAKES = {
     "a1/rope-interleaved-pairs": Mistake("a1_llama", "apply_rotary", apply_rotary_interleaved,
                                          "x_i pairs with x_(i+E/2)"),
@@ -204,6 +218,10 @@ MISTAKES = {
                                          "that branch comes first"),
     "a8/last-rank-only": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_by_last_rank,
                                  "the best tree of"),
+    "a9/most-guesses": Mistake("a9_capstone", "calibrate", calibrate_for_the_most_guesses,
+                               "the largest tau(n) L(1) / L(n)"),
+    "a9/ratio-upside-down": Mistake("a9_capstone", "calibrate", calibrate_with_the_ratio_upside_down,
+                                    "predicted speedup tau(n) L(1) / L(n)"),
     "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,
                                "the root is no guess"),
 }
