@@ -63,7 +63,7 @@ def starter(assignment: str) -> str:
     for entry in ASSIGNMENTS[assignment]:
         module, qualified = entry.split(".", 1)
         by_module[module].append(qualified)
-    imports, blocks = set(), []
+    imports, from_names, blocks = set(), defaultdict(set), []
     for module, qualified_names in by_module.items():
         source, found = definitions(module)
         classes = defaultdict(list)
@@ -71,7 +71,10 @@ def starter(assignment: str) -> str:
             function = found[qualified]
             for name in sorted(names_used(function) - set(dir(builtins))):
                 value = getattr(importlib.import_module(module), name)
-                imports.add(f"import {value.__name__}" if inspect.ismodule(value) else f"from {module} import {name}")
+                if inspect.ismodule(value):
+                    imports.add(f"import {value.__name__}")
+                else:  # from where it is defined: collections.abc's Sequence, not drafters'
+                    from_names[getattr(value, "__module__", module)].add(name)
             if "." in qualified:
                 classes[qualified.split(".")[0]].append(stub(source, function, assignment))
                 imports.add(f"import {module}")
@@ -82,6 +85,7 @@ def starter(assignment: str) -> str:
     doc = (f'"""Assignment {assignment}: your code (see handout.md). Each stub below has the reference\'s\n'
            f'signature and docstring; replace its NotImplementedError with your implementation, then run\n\n'
            f'    python -m pytest course/{assignment}\n"""')
+    imports |= {f"from {source} import {', '.join(sorted(names))}" for source, names in from_names.items()}
     return doc + "\n\n" + "\n".join(sorted(imports)) + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
 
 

@@ -4,12 +4,11 @@ signature and docstring; replace its NotImplementedError with your implementatio
     python -m pytest course/a4_greedy_loop
 """
 
-from decode import Drafter
 from decode import Generation
-from decode import Sampling
-from decode import TypicalAcceptance
-from verify import Tree
-from verify import Verdict
+from drafters import Drafter
+from sampling import Sampling
+from tree import Tree
+from verify import TypicalAcceptance, Verdict
 import torch
 
 

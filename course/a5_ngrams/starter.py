@@ -4,7 +4,7 @@ signature and docstring; replace its NotImplementedError with your implementatio
     python -m pytest course/a5_ngrams
 """
 
-from drafters import Sequence
+from collections.abc import Sequence
 import drafters
 
 

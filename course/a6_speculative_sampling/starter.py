@@ -4,9 +4,8 @@ signature and docstring; replace its NotImplementedError with your implementatio
     python -m pytest course/a6_speculative_sampling
 """
 
-from verify import Chance
-from verify import Tree
-from verify import Verdict
+from tree import Tree
+from verify import Chance, Verdict
 import torch
 
 

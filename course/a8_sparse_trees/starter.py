@@ -4,8 +4,7 @@ signature and docstring; replace its NotImplementedError with your implementatio
     python -m pytest course/a8_sparse_trees
 """
 
-from tree import Iterable
-from tree import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def path_probability(accuracy: Sequence[Sequence[float]], path: Sequence[int]) -> float:
