@@ -51,7 +51,8 @@ def test_the_cache_holds_what_a_list_of_slots_holds(script):
             done.append(f"truncate({length})")
         else:
             start = int(operation[1] * len(slots))
-            offsets = sorted({int(f * (len(slots) - start)) for f in operation[2] if len(slots) > start})
+            span = len(slots) - start  # offsets 0..span-1 are inside the cache
+            offsets = sorted({min(int(f * span), span - 1) for f in operation[2] if span > 0})
             cache.keep(start, offsets)
             slots = slots[:start] + [slots[start + o] for o in offsets]
             done.append(f"keep(start={start}, offsets={offsets})")
