@@ -3,7 +3,7 @@ list of slots holds (hypothesis), and decoding with it gives vanilla greedy's to
 keeps a path that is not the tree's first nodes."""
 
 import torch
-from helpers import WrongBranchFirst, assert_decodes_as_naive_greedy, naive_greedy, tiny_model
+from helpers import WrongBranchFirst, assert_decodes_as_naive_greedy, cheap, naive_greedy, tiny_model
 from hypothesis import given, strategies as st
 
 import adapters
@@ -24,6 +24,17 @@ def operations():
         st.tuples(st.just("keep"), st.floats(0, 1), st.lists(st.floats(0, 1), max_size=4))), max_size=12)
 
 
+def test_keep_moves_the_accepted_path_down():
+    cache = KVCache(1, 1, 1, 8, dtype=torch.float64)
+    cache.reserve(4)
+    cache.write(0, torch.arange(4.0, dtype=torch.float64).view(1, 1, 4, 1), torch.zeros(1, 1, 4, 1, dtype=torch.float64))
+    cache.keep(1, [0, 2])  # slot 0 stays; of the tree in slots 1..3, nodes 0 and 2 (slots 1 and 3) are kept
+    held = cache.keys[0, 0, 0, :cache.length, 0].tolist()
+    assert held == [0.0, 1.0, 3.0], (f"after writing values 0, 1, 2, 3 and keep(start=1, offsets=[0, 2]) the cache must "
+                                     f"hold 0, 1, 3 (slot 2 must hold the K/V written as value 3), not {held}")
+
+
+@cheap
 @given(operations())
 def test_the_cache_holds_what_a_list_of_slots_holds(script):
     cache = KVCache(LAYERS, 1, 2, CAPACITY, dtype=torch.float64)
