@@ -69,7 +69,7 @@ from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from decode import generate
 from drafters import DraftModelDrafter, Drafter, NGramDrafter
-from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, unwritable
+from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, integer, run_program, writable
 from methods import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS, build_drafter,
                      default_options)
 from model import DTYPES, load_checkpoint, parse_device
@@ -544,16 +544,6 @@ def main(argv=None) -> int:
     return run_program(lambda: bench_command(argv))
 
 
-def writable_out(path: Path) -> None:
-    """Refuse a results file that could not be written now, not after the run."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot write {path}: {unwritable(path, err)}") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK):
-        raise UserError(f"cannot write {path}: " + ("it is a folder" if path.is_dir() else "permission denied"))
-
-
 def machine(device: torch.device) -> dict:
     """Where the numbers come from: figures are labelled with it."""
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
@@ -566,7 +556,7 @@ def bench_command(argv) -> None:
     Sampling(temperature=args.temperature)  # refuses a temperature it cannot sample at, before any work
     args.device = parse_device(args.device)
     out = args.out or Path(f"bench-{args.what}.json")
-    writable_out(out)
+    writable(out, "--out")  # now, not after the run
     report = Report(args.what, machine(args.device))
     print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())

@@ -72,6 +72,11 @@ class Pass:
     verdict: Verdict  # what the verifier accepted, and the bonus token
     emitted: list[int]  # the tokens the pass added to the answer: the verdict's, cut by the stop rule
 
+    @property
+    def bonus_emitted(self) -> bool:
+        """Whether the bonus token reached the answer (the stop rule can end it among the guesses)."""
+        return len(self.emitted) > self.verdict.accepted_guesses
+
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
              drafter: Drafter | None = None, sampling: Sampling = Sampling(), generator=None,

@@ -14,6 +14,7 @@ that this holds while the slow imports run too.
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +56,22 @@ def unwritable(path: Path, err: OSError) -> str:
     """Why `path` cannot be written, in words: a folder above it that is a file, else the system's reason."""
     files = [folder for folder in path.parents if folder.exists() and not folder.is_dir()]
     return f"{files[0]} is a file, not a folder" if files else err.strerror or str(err)
+
+
+def writable(path: Path, option: str) -> Path:
+    """`path`, checked to be writable now rather than after the long work that produces it: its folder
+    exists or can be made, a file can be written there, and it is not itself a folder. `option` names
+    it in the error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as err:
+        raise UserError(f"cannot write {option} {path} ({unwritable(path, err)}); choose a path in a writable "
+                        "folder") from None
+    if path.is_dir():
+        raise UserError(f"cannot write {option} {path}: it is a folder; name a file")
+    return path
 
 
 def run_program(main: Callable[[], int | None], interrupted: str = "") -> int:

@@ -72,14 +72,13 @@ def draw_pass(number: int, step: Pass, text_of, colour: bool = False) -> str:
     walk(0, "")
     width = max((len(left) for left, note, _ in rows if note), default=0)
     accepted = verdict.accepted_guesses
-    kept_bonus = len(step.emitted) > accepted  # the stop rule can end the answer before the bonus
     lines = [f"pass {number}: {tree.draft_size} guesses after {step.cache_length} cached tokens, "
-             f"{accepted} accepted" + (" + the bonus token" if kept_bonus else ", then the answer ended"),
+             f"{accepted} accepted" + (" + the bonus token" if step.bonus_emitted else ", then the answer ended"),
              f"{quoted(text_of([tree.tokens[0]]))}  (root: the last chosen token)"]
     for left, note, kind in rows:
         line = f"{left:<{width}}  {note}".rstrip() if note else left
         lines.append(paint(line, kind) if kind else line)
-    if kept_bonus:
+    if step.bonus_emitted:
         lines.append(paint(f"bonus {quoted(text_of([verdict.tokens[-1]]))}", "bonus"))
     lines.append("→ " + quoted(text_of(step.emitted)))
     return "\n".join(lines)

@@ -25,7 +25,6 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from apar_finetune import (ADAPTED_LINEARS, AparAdapter, apar_evaluation, apar_e
                            require_tied_embeddings)
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
-from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, unwritable
+from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
 from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
@@ -264,18 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def writable_out(path: Path) -> Path:
-    """Where the artifact goes, checked before hours of training: its folder exists or can be made,
-    and a file can be written there."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as err:
-        raise UserError(f"cannot write --out {path} ({unwritable(path, err)}); choose a path in a writable folder") from None
-    return path
-
-
 def outcome(made: dict) -> str:
     if "accuracy" not in made:  # APAR
         return (f"held-out loss {made['held_out_loss']}, [Fork] precision {made['fork_precision']} "
@@ -294,7 +281,7 @@ def train_command(argv) -> None:
         raise UserError("--soft-tokens x --ensembles must be at most 64 (inputs per node)")
     folder = args.model if args.model is not None else default_model_dir()
     if args.command != "data":
-        args.out = writable_out(args.out or artifacts.shipped_artifact(args.command, folder))
+        args.out = writable(args.out or artifacts.shipped_artifact(args.command, folder), "--out")
     model = load_checkpoint(folder, torch.float32)
     model.requires_grad_(False)
     tokenizer = Tokenizer(folder)

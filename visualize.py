@@ -90,9 +90,8 @@ def tree_figure(step: Pass, text_of, title: str):
     tree, verdict = step.tree, step.verdict
     outcomes = verdict.outcomes(tree)
     labels = [label(text_of([token])) for token in tree.tokens]
-    bonus_kept = len(step.emitted) > verdict.accepted_guesses  # the stop rule can end the answer first
     extra = {node: [("soft", node)] for node in range(len(tree)) if tree.soft_counts[node]}
-    if bonus_kept:
+    if step.bonus_emitted:
         extra[verdict.path[-1]] = [("bonus",)] + extra.get(verdict.path[-1], [])
     rows = tree_rows(tree, extra)
     column = CHAR * max(len(text) for text in [*labels, "2 soft tokens"]) + 0.8  # inches between depths
@@ -136,7 +135,7 @@ def tree_figure(step: Pass, text_of, title: str):
             edge(node, ("soft", node), color=COLOURS["soft"], lw=1, ls=":")
             box(("soft", node), f"{count} soft token{'s' if count > 1 else ''}{copies}", "soft", ls="--",
                 gid=f"soft-{node}")
-    if bonus_kept:
+    if step.bonus_emitted:
         edge(verdict.path[-1], ("bonus",), color=COLOURS["bonus"], lw=2.5, ls="--")
         box(("bonus",), label(text_of([verdict.tokens[-1]])), "bonus", lw=2, gid="bonus")
     legend = [Patch(fc=FILLS[k], ec=COLOURS[k], label=text) for k, text in [

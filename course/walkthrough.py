@@ -11,6 +11,8 @@
 # 5. the KV cache before and after `keep`.
 
 # %%
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -50,54 +52,51 @@ print(f"prompt: {len(prompt_ids)} tokens")
 
 
 # %%
-def one_step(number: int, tree, cache, show: bool):
-    """One pass of the loop by hand: the tree's stages printed when `show`. Returns the verdict, the
-    final hidden states and logits of every input."""
+def one_step(number: int, tree, cache):
+    """One pass of the loop by hand, each stage printed. Returns the verdict and the final hidden states
+    and logits of every input."""
     start = cache.length
-    if show:
-        print(f"\n1. the tree: {len(tree)} nodes (node: token, parent, depth)")
-        for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-            print(f"   {node:2}: {text(token):16} parent {parent:2}  depth {tree.depths[node]}")
-        if any(tree.soft_counts):
-            print(f"   and {len(tree.soft_slots())} soft-token inputs (PPD), after the nodes")
-        mask = tree.attention_mask(start)  # 2. every row sees the cache, then its ancestors
-        print(f"\n2. the mask over the pass's inputs (each row also sees all {start} cached tokens); "
-              f"positions {tree.positions(start).tolist()}")
-        for row in mask[:, start:]:
-            print("   " + " ".join("#" if seen else "." for seen in row.tolist()))
+    print(f"\n1. the tree: {len(tree)} nodes (node: token, parent, depth)")
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        print(f"   {node:2}: {text(token):16} parent {parent:2}  depth {tree.depths[node]}")
+    if any(tree.soft_counts):
+        print(f"   and {len(tree.soft_slots())} soft-token inputs (PPD), after the nodes")
+
+    mask = tree.attention_mask(start)  # 2. every row sees the cache, then its ancestors
+    print(f"\n2. the mask over the pass's inputs (each row also sees all {start} cached tokens); "
+          f"positions {tree.positions(start).tolist()}")
+    for row in mask[:, start:]:
+        print("   " + " ".join("#" if seen else "." for seen in row.tolist()))
 
     hidden = score_tree(model, cache, tree)  # 3. one forward pass over every input
     logits = model.logits(hidden)
     nodes = logits[:len(tree)]
-    if show:
-        probs = torch.softmax(nodes, dim=-1)
-        print("\n3. the model's three most likely next tokens after each node")
-        for node in range(len(tree)):
-            top = probs[node].topk(3)
-            print(f"   {node:2} {text(tree.tokens[node]):16} -> "
-                  + ", ".join(f"{text(t)} {p:.2f}" for p, t in zip(top.values.tolist(), top.indices.tolist())))
+    probs = torch.softmax(nodes, dim=-1)
+    print("\n3. the model's three most likely next tokens after each node")
+    for node in range(len(tree)):
+        top = probs[node].topk(3)
+        print(f"   {node:2} {text(tree.tokens[node]):16} -> "
+              + ", ".join(f"{text(t)} {p:.2f}" for p, t in zip(top.values.tolist(), top.indices.tolist())))
 
     verdict = verify_greedy(tree, nodes)  # 4. greedy verification
-    if show:
-        choices = nodes.argmax(-1).tolist()
-        print(f"\n4. verification: accepted path {verdict.path}, new tokens "
-              f"{' '.join(text(t) for t in verdict.tokens)} (the last is the bonus token)")
-        for node in range(1, len(tree)):
-            parent, token = tree.parents[node], tree.tokens[node]
-            if parent in verdict.path:
-                why = ("= the model's choice after its parent: accepted" if node in verdict.path
-                       else f"!= the model's choice {text(choices[parent])} after node {parent}: rejected"
-                       if token != choices[parent] else "right too, but another branch went deeper")
-                print(f"   node {node} {text(token)} {why}")
-        print(draw_pass(number, Pass(tree, start, choices, verdict, verdict.tokens), tokenizer.decode))
-        print(f"\n5. the cache holds {cache.length} slots: {start} cached + {cache.length - start} of this pass")
-        path_keys = cache.keys[0, 0, 0, [start + n for n in verdict.path]].clone()  # layer 0, K/V head 0
+    choices = nodes.argmax(-1).tolist()
+    print(f"\n4. verification: accepted path {verdict.path}, new tokens "
+          f"{' '.join(text(t) for t in verdict.tokens)} (the last is the bonus token)")
+    for node in range(1, len(tree)):
+        parent, token = tree.parents[node], tree.tokens[node]
+        if parent in verdict.path:
+            why = ("= the model's choice after its parent: accepted" if node in verdict.path
+                   else f"!= the model's choice {text(choices[parent])} after node {parent}: rejected"
+                   if token != choices[parent] else "right too, but another branch went deeper")
+            print(f"   node {node} {text(token)} {why}")
+    print(draw_pass(number, Pass(tree, start, choices, verdict, verdict.tokens), tokenizer.decode))
 
-    cache.keep(start, verdict.path)  # 5. only the accepted path's K/V stay, moved down after the cache
-    if show:
-        moved = torch.equal(cache.keys[0, 0, 0, start:cache.length], path_keys)
-        print(f"   after keep(start={start}, path={verdict.path}): {cache.length} slots; the path's keys now "
-              f"sit in slots {start}..{cache.length - 1}: {moved}")
+    print(f"\n5. the cache holds {cache.length} slots: {start} cached + {cache.length - start} of this pass")
+    path_keys = cache.keys[0, 0, 0, [start + n for n in verdict.path]].clone()  # layer 0, K/V head 0
+    cache.keep(start, verdict.path)  # only the accepted path's K/V stay, moved down after the cache
+    moved = torch.equal(cache.keys[0, 0, 0, start:cache.length], path_keys)
+    print(f"   after keep(start={start}, path={verdict.path}): {cache.length} slots; the path's keys now "
+          f"sit in slots {start}..{cache.length - 1}: {moved}")
     return verdict, hidden, logits
 
 
@@ -112,26 +111,15 @@ def walk(method_name: str, max_passes: int = 16) -> None:
     print(f"\n=============== {method_name}: the prefill chose {text(root)}; {cache.length} tokens cached")
     for number in range(1, max_passes + 1):
         tree = drafter.propose()
-        show = number == max_passes or verify_greedy(tree, model.logits(score_tree(model, copy_of(cache), tree))[
-            :len(tree)]).accepted_guesses > 0
-        if show:
-            print(f"\npass {number}, root {text(tree.tokens[0])}:")
-        verdict, hidden, logits = one_step(number, tree, cache, show)
+        with contextlib.redirect_stdout(io.StringIO()) as stages:  # shown if the pass accepts a guess
+            verdict, hidden, logits = one_step(number, tree, cache)
         last = verdict.path[-1]
         drafter.observe(hidden[last], logits[tree.soft_rows(last)])
         drafter.extend(verdict.tokens)
-        if show:
+        if verdict.accepted_guesses or number == max_passes:
+            print(f"\npass {number}, root {text(tree.tokens[0])}:" + stages.getvalue())
             return
         print(f"pass {number}: {tree.draft_size} guesses, none accepted; new token {text(verdict.tokens[-1])}")
-
-
-def copy_of(cache: KVCache) -> KVCache:
-    """A scratch copy, to look ahead at a pass without changing the real cache."""
-    scratch = KVCache.for_model(model, cache.capacity)
-    scratch.keys.copy_(cache.keys)
-    scratch.values.copy_(cache.values)
-    scratch.length = cache.length
-    return scratch
 
 
 # %%

@@ -89,7 +89,7 @@ def test_the_tree_mask_and_positions_show_the_verifiers_verdict(tiny, tmp_path, 
     drawn = {int(i.split("-")[1]): i.split("-")[2] for i in ids_in["tree"] if i.startswith("node-")}
     assert sorted(drawn) == list(range(len(step.tree)))
     assert sorted(n for n, kind in drawn.items() if kind in ("accepted", "root")) == step.verdict.path
-    assert ("bonus" in ids_in["tree"]) == (len(step.emitted) > step.verdict.accepted_guesses)
+    assert ("bonus" in ids_in["tree"]) == (len(step.emitted) > step.verdict.accepted_guesses)  # the bonus reached the answer
     assert sum(i.startswith("soft-") for i in ids_in["tree"]) == sum(c > 0 for c in step.tree.soft_counts)
     assert ids_in["mask"].count("row-accepted") == len(step.verdict.path)
     positions = [i for i in ids_in["positions"] if i.startswith("position-")]
