@@ -25,6 +25,7 @@ saying what it shows (e.g. `node-3-accepted`), which the tests read back.
 """
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -509,6 +510,11 @@ def loaded(args, methods: list[str]):
     return model, tokenizer, prompt_ids(args, prompt, model, tokenizer)
 
 
+def token_texts(tokenizer):
+    """ids -> their text, special tokens included: what the figures label tokens with."""
+    return functools.partial(tokenizer.decode, skip_special=False)
+
+
 def draw_step(args) -> list[Path]:
     model, tokenizer, ids = loaded(args, [args.method])
     passes = []
@@ -517,15 +523,12 @@ def draw_step(args) -> list[Path]:
     step = passes[number - 1]
     cached = (ids + gen.token_ids)[:step.cache_length]
 
-    def text_of(token_ids):
-        return tokenizer.decode(token_ids, skip_special=False)
-
     about = (f"{args.method}, pass {number} of {len(passes)}: {step.tree.draft_size} guesses after "
              f"{step.cache_length} cached tokens, {step.verdict.accepted_guesses} accepted")
-    return [*save(tree_figure(step, text_of, about), args.out, f"{args.method}-tree", args.formats),
-            *save(mask_figure(step, cached, text_of, args.cache_tail, f"Tree attention mask: {about}"),
+    return [*save(tree_figure(step, token_texts(tokenizer), about), args.out, f"{args.method}-tree", args.formats),
+            *save(mask_figure(step, cached, token_texts(tokenizer), args.cache_tail, f"Tree attention mask: {about}"),
                   args.out, f"{args.method}-mask", args.formats),
-            *save(positions_figure(step, text_of, f"Positions: {about}"), args.out, f"{args.method}-positions",
+            *save(positions_figure(step, token_texts(tokenizer), f"Positions: {about}"), args.out, f"{args.method}-positions",
                   args.formats)]
 
 
@@ -534,11 +537,8 @@ def draw_answers(args) -> list[Path]:
     model, tokenizer, ids = loaded(args, methods)
     answers = {name: decoded(args, name, model, tokenizer, ids) for name in ["vanilla", *methods]}
 
-    def text_of(token_ids):
-        return tokenizer.decode(token_ids, skip_special=False)
-
     prompt = args.prompt if len(args.prompt) <= 100 else args.prompt[:99] + "…"
-    fig = answer_figure(answers, text_of, f"Who chose each token, decoding greedily (so every answer is vanilla's)\n"
+    fig = answer_figure(answers, token_texts(tokenizer), f"Who chose each token, decoding greedily (so every answer is vanilla's)\n"
                                           f"prompt: {visible(prompt)}")
     return save(fig, args.out, "answer-" + "-".join(methods), args.formats)
 
