@@ -14,6 +14,9 @@ and dtype only. The best size maximises tau(n) / L(n) (PPD's Speedup(n)):
 `python decode.py --method M --calibrate` prints the table and saves the best n for this machine
 (CPU model and cores, or GPU name), device, dtype and model in the cache; decode.py then uses it
 when no size is given.
+
+Cost-aware drafting (cost_aware.py) needs L(n) itself, per step: `machine_latency` measures it once
+per machine, device, dtype and model (a few seconds) and keeps it in the cache too.
 """
 
 import json
@@ -27,11 +30,13 @@ import torch
 
 from artifacts import model_fingerprint, written_atomically
 from convert import cache_root
+from cost_aware import Latency
 from decode import generate
 from errors import TooFewRows
 from kv_cache import KVCache
 
 ROWS = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
+LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # where machine_latency measures L(n)
 CACHED = 256
 PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary, arithmetic
     "What are three good habits for staying healthy while working from home?",
@@ -98,11 +103,22 @@ def saved_rows(model, method: str) -> int | None:
 
 def read_calibrations() -> dict:
     """Every saved calibration; {} when there is none or the file is damaged (calibrating again fixes it)."""
+    return read_saved(calibration_file())
+
+
+def read_saved(path) -> dict:
+    """A JSON object saved in the cache; {} when there is none or the file is damaged."""
     try:
-        saved = json.loads(calibration_file().read_text(encoding="utf-8"))
+        saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return saved if isinstance(saved, dict) else {}
+
+
+def write_saved(path, saved: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
 
 
 def calibrated_rows(model, method: str, default: int) -> int:
@@ -114,15 +130,32 @@ def calibrated_rows(model, method: str, default: int) -> int:
     return calibrated
 
 
+def latency_file():
+    return cache_root() / "latency.json"
+
+
+def machine_latency(model) -> Latency:
+    """L(n) on this machine, device, dtype and model, for cost-aware drafting: as measured by an
+    earlier run, else measured now (one round, progress on stderr) and saved."""
+    key, saved = machine_key(model), read_saved(latency_file())
+    try:
+        return Latency({int(n): ms / 1000 for n, ms in saved[key].items()})
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass  # never measured here, or a damaged entry: measure again
+    print("cost-aware drafting: measuring this machine's forward-pass latency L(n) once", file=sys.stderr)
+    latency = Latency(latencies(model, LATENCY_SIZES, rounds=1))
+    saved[key] = {n: round(seconds * 1000, 3) for n, seconds in latency.as_dict().items()}
+    write_saved(latency_file(), saved)
+    return latency
+
+
 def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
     path = calibration_file()
     saved = read_calibrations()
     if not isinstance(saved.get(machine_key(model)), dict):
         saved[machine_key(model)] = {}
     saved[machine_key(model)][method] = {"rows": rows, "table": table}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(path) as tmp:
-        tmp.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
+    write_saved(path, saved)
 
 
 def tokens_per_pass(model, tokenizer, make_drafter, rows: int, raw: bool = False) -> float | None:

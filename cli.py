@@ -270,8 +270,10 @@ def run_calibration(args, method: Method, model, tokenizer) -> None:
     if method.trained:  # a missing or mismatched artifact: say so before measuring anything
         artifacts.load(trained_path(method.name, args), method.name, model)
 
+    fixed = argparse.Namespace(**vars(args) | {"fixed_size": True})  # tau(n) of the paper's tree of n inputs
+
     def tau(rows):
-        return tokens_per_pass(model, tokenizer, lambda r: build_drafter(method, args, model, tokenizer, r),
+        return tokens_per_pass(model, tokenizer, lambda r: build_drafter(method, fixed, model, tokenizer, r),
                                rows, args.raw)
 
     name = calibration_name(method, args)

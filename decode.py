@@ -15,7 +15,8 @@ or the context limit:
                                                   #    or exact speculative sampling (verify.py)
     cache.keep(verdict.path)                      # 4. keep: K/V of the accepted nodes only, packed
     new_tokens = emit(verdict)                    # 5. emit: append, stopping exactly where vanilla would
-    drafter.observe(last accepted node's hidden state and soft tokens' logits)   # 6. observe: Medusa, PPD
+    drafter.verified(tree, verdict)               # 6. learn: cost-aware drafting calibrates its estimates
+    drafter.observe(last accepted node's hidden state and soft tokens' logits)   #  observe: Medusa, PPD
     drafter.extend(new_tokens)                    #    extend: n-gram tables and tries learn the tokens
 
 A watcher (`on_pass`: decode.py --show-tree, visualize.py) is shown every pass as it happened (`Pass`).
@@ -110,7 +111,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
             new_tokens = answer.emit(verdict)  # 5. emit
             if on_pass:  # someone watches the loop
                 on_pass(Pass(tree, tree_start, logits[:len(tree)].argmax(-1).tolist(), verdict, new_tokens))
-            with meter.time("draft"):  # 6. observe / extend
+            with meter.time("draft"):  # 6. learn / observe / extend
+                drafter.verified(tree, verdict)
                 last = verdict.path[-1]
                 drafter.observe(hidden[last], logits[tree.soft_rows(last)])
                 drafter.extend(new_tokens)

@@ -64,6 +64,9 @@ class Drafter:
     def extend(self, tokens: Sequence[int]) -> None:
         self.history.extend(tokens)
 
+    def verified(self, tree: Tree, verdict) -> None:
+        """What the pass made of the proposal (cost-aware drafting learns from it)."""
+
     def observe(self, hidden: torch.Tensor, soft_logits: torch.Tensor) -> None:
         """After a pass, the final hidden state of the last accepted node [D] and the logits of the
         soft tokens it carried [S', V] (see soft_rows in tree.py)."""
@@ -108,6 +111,15 @@ class MultiLevelNGram:
                 return prediction
         return None
 
+    def support(self, tokens: Sequence[int], following: int) -> tuple[int, int]:
+        """How strongly the table backs `following` after `tokens`: the longest context length that saw
+        it next, and how often (the evidence cost-aware drafting files the guess under)."""
+        for length in range(min(self.n - 1, len(tokens)), 0, -1):
+            seen = self.counts.get(tuple(tokens[-length:]), {}).get(following)
+            if seen:
+                return length, seen
+        return 0, 0
+
 
 class NGramDrafter(Drafter):
     """ANPD: a chain of up to K tokens, each the n-gram prediction after the previous ones."""
@@ -135,14 +147,34 @@ class NGramDrafter(Drafter):
 
     def propose(self):
         context = self.history[-(self.n - 1):]
-        draft = []
+        draft, evidence = [], []
         while len(draft) < self.k:
             guess = self.ngrams.query(context)
             if guess is None:
                 break  # no level knows this context: a shorter draft beats a blind guess
             draft.append(guess)
+            evidence.append((ngram_evidence(*self.ngrams.support(context, guess)),))
             context = (context + [guess])[-(self.n - 1):]
-        return Tree.chain(self.history[-1], draft)
+        return Tree.chain(self.history[-1], draft, evidence=evidence)
+
+
+# Acceptance rates per evidence key, measured with `python bench.py acceptance` (greedy, ANPD and
+# Lookahead with their fixed trees, 16 bench prompts not among bench.py's default ones; rounded, and
+# capped at 0.9 where fewer than 10 guesses were judged): cost-aware drafting's priors.
+NGRAM_PRIORS = {  # (context length of the match, up to 4; times seen, up to 3) -> P(accepted)
+    (1, 1): 0.23, (1, 2): 0.30, (1, 3): 0.29, (2, 1): 0.54, (2, 2): 0.61, (2, 3): 0.62,
+    (3, 1): 0.57, (3, 2): 0.79, (3, 3): 0.9, (4, 1): 0.73, (4, 2): 0.61, (4, 3): 0.97}
+TRIE_PRIORS = {  # (share of the siblings' occurrences, in quarters; times seen, up to 3) -> P(accepted)
+    (0, 1): 0.05, (0, 2): 0.15, (0, 3): 0.03, (1, 1): 0.10, (1, 2): 0.15, (1, 3): 0.19,
+    (2, 1): 0.22, (2, 2): 0.33, (2, 3): 0.17, (3, 1): 0.66, (3, 2): 0.71, (3, 3): 0.56}
+
+
+def ngram_evidence(level: int, seen: int) -> tuple:
+    """(key, prior) of an n-gram guess whose context of `level` tokens was followed by it `seen`
+    times. The priors are the acceptance rates measured on bench.py's prompts (cost_aware.py says how);
+    a generation's own outcomes soon outweigh them."""
+    level, seen = min(level, 4), min(seen, 3)
+    return ("anpd", level, seen), NGRAM_PRIORS.get((level, seen), 0.3)
 
 
 # ---- speculative decoding with a draft model --------------------------------------------------
@@ -186,16 +218,20 @@ class DraftModelDrafter(Drafter):
 
     def propose(self):
         unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
-        guesses, guess_probs = [], []
+        guesses, guess_probs, evidence = [], [], []
         for _ in range(self.gamma):
             logits = self.model.logits_after(unread, self.cache)
             token, q = choose_token_and_probs(logits, self.sampling, self.generator)  # q: None if greedy
             guesses.append(token)
             guess_probs.append(q)
+            # how sure the draft was *before* drawing: with sampling, a cut that depended on the drawn
+            # token would bias the output (cost_aware.py)
+            confidence = float((q if q is not None else torch.softmax(logits.float(), -1)).max())
+            evidence.append((draft_evidence(confidence),))
             unread = [token]
         self.read_guesses = guesses[:-1]  # the last guess is never read: it has no successor
         draft_probs = None if self.sampling.greedy else torch.stack(guess_probs)  # [gamma, V]
-        return Tree.chain(self.history[-1], guesses, draft_probs)
+        return Tree.chain(self.history[-1], guesses, draft_probs, evidence)
 
 
 # ---- learned guessers: the top-k of logits from the previous pass ------------------------------
@@ -346,8 +382,9 @@ class TrieDrafter(Drafter):
         self.trie.prune(self.CAPACITY_PER_DRAFT_TOKEN * self.decoding_length)
 
     def propose(self):
-        return Tree.from_branches(self.history[-1], self.retrieve(), self.decoding_length,
-                                  merge=self.hierarchical)
+        branches = self.retrieve()
+        return Tree.from_branches(self.history[-1], branches, self.decoding_length, merge=self.hierarchical,
+                                  evidence=[self.branch_evidence(branch) for branch in branches])
 
     def retrieve(self) -> list[list[int]]:
         """Multi-stage retrieval: the branches after the longest matching context first; while they
@@ -366,13 +403,35 @@ class TrieDrafter(Drafter):
                 break
         return branches
 
+    def branch_evidence(self, branch: Sequence[int]) -> list[tuple]:
+        """Per token of a retrieved branch, its evidence (key, prior): after the longest context the
+        branch continues in the trie, each token's share of its siblings' occurrences (in quarters)
+        and its own occurrences (1, 2, 3 or more)."""
+        for length in self.PREFIX_LENGTHS:
+            node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
+            if node is not None and branch and branch[0] in node.children:
+                break
+        else:
+            return [()] * len(branch)
+        evidence = []
+        for token in branch:
+            child = node.children.get(token)
+            if child is None:  # (a retrieve that strays from the trie: no evidence for the rest)
+                return evidence + [()] * (len(branch) - len(evidence))
+            share = self.score(child) / sum(self.score(c) for c in node.children.values())
+            evidence.append((trie_evidence(share, child.prompt_count + child.output_count),))
+            node = child
+        return evidence
+
+    def score(self, node: TrieNode) -> int:
+        """A node's weight in retrieval: its occurrences, the current prompt's boosted (4.3.2)."""
+        return self.PROMPT_BOOST * node.prompt_count + node.output_count
+
     def best_branches(self, start: TrieNode) -> list[list[int]]:
         """The `decoding_length` most frequent nodes below `start` (at most `branch_length` deep),
         picked best-first so they form a connected subtree, returned as its root-to-leaf branches,
         more frequent children first."""
-        def score(node):
-            return self.PROMPT_BOOST * node.prompt_count + node.output_count
-
+        score = self.score
         frontier = [(-score(c), i, c, 1) for i, c in enumerate(start.children.values())]
         heapq.heapify(frontier)
         chosen, order = set(), len(frontier)
@@ -395,3 +454,16 @@ class TrieDrafter(Drafter):
 
         walk(start, [])
         return branches
+
+
+def trie_evidence(share: float, seen: int) -> tuple:
+    """(key, prior) of a trie guess that took `share` of its siblings' occurrences and occurred
+    `seen` times (priors measured as ngram_evidence's)."""
+    quarter, seen = min(int(share * 4), 3), min(seen, 3)
+    return ("lookahead", quarter, seen), TRIE_PRIORS.get((quarter, seen), 0.3)
+
+
+def draft_evidence(confidence: float) -> tuple:
+    """(key, prior) of a draft model's guess made where its most likely token had probability
+    `confidence` (in tenths): its own estimate, as cost-aware drafting's prior."""
+    return ("speculative", min(int(confidence * 10), 9)), confidence

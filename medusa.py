@@ -71,6 +71,7 @@ class MedusaDrafter(TopKDrafter):
 
     def __init__(self, model, heads: MedusaHeads, accuracy: list[list[float]], rows: int):
         self.model, self.heads = model, heads.requires_grad_(False)
+        self.accuracy = accuracy
         self.spec = best_sparse_tree(accuracy, rows - 1)  # the root and rows - 1 guesses per pass
         self.max_draft_tokens = len(self.spec)
         # 1 + the expected number of accepted guesses, taking the heads' hits as independent
@@ -82,7 +83,7 @@ class MedusaDrafter(TopKDrafter):
     def propose(self):
         if not self.candidates:
             return super().propose()
-        return Tree.from_topk(self.history[-1], self.candidates, self.spec)
+        return Tree.from_topk(self.history[-1], self.candidates, self.spec, accuracy=self.accuracy, source="medusa")
 
 
 def load_drafter(model, path: Path, rows: int) -> MedusaDrafter:

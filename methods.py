@@ -19,8 +19,10 @@ import medusa
 import ppd
 from apar_finetune import load_apar_model
 from artifacts import shipped_artifact
-from calibrate import calibrated_rows
+from calibrate import calibrated_rows, machine_latency
+from combined import combined_drafter
 from convert import default_model_dir
+from cost_aware import CostAware, Latency
 from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer
@@ -82,30 +84,43 @@ def load_draft(options, model, tokenizer):
     return draft
 
 
+def auto_drafter(options, model, tokenizer, latency: Latency):
+    """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, PPD's soft
+    tokens (combined.py)."""
+    ppd_path = trained_path("ppd", options)
+    soft = None
+    if options.trained is not None or ppd_path.with_suffix(".safetensors").is_file():
+        soft = ppd.load_drafter(model, ppd_path, DEFAULT_TREE_ROWS)
+    return combined_drafter(NGramDrafter(n=options.ngram_n, k=options.ngram_k or NGramDrafter.DEFAULT_K),
+                            TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
+                                        options.branch_length),
+                            soft, latency)
+
+
 METHODS = {m.name: m for m in [
     Method("vanilla", "plain autoregressive decoding, one forward pass per token", "", guesses=False,
            drafter=lambda options, model, tokenizer, rows: Drafter()),
     Method("anpd", "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
-           "Ou et al. 2024", ("ngram_n", "ngram_k"), Size("ngram_k", NGramDrafter.DEFAULT_K, 1),
+           "Ou et al. 2024", ("ngram_n", "ngram_k", "fixed_size"), Size("ngram_k", NGramDrafter.DEFAULT_K, 1),
            drafter=lambda options, model, tokenizer, rows: NGramDrafter(n=options.ngram_n, k=rows - 1)),
     Method("lookahead", "trie-based retrieval of several guessed branches from prompts and earlier output "
            "(Zhao et al.'s Lookahead, not Fu et al.'s Jacobi 'lookahead decoding')",
-           "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode"),
+           "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode", "fixed_size"),
            Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1),
            drafter=lambda options, model, tokenizer, rows: TrieDrafter(
                rows - 1, options.branch_length, hierarchical=options.lookahead_mode == "hierarchical")),
     Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
            "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
-           ("draft_model", "draft_layers", "gamma"),
+           ("draft_model", "draft_layers", "gamma", "fixed_size"),
            drafter=lambda options, model, tokenizer, rows: DraftModelDrafter(
                load_draft(options, model, tokenizer), options.gamma)),
     Method("medusa", "trained Medusa heads guess the next tokens from the model's last hidden state; their "
-           "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows"),
+           "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
            drafter=lambda options, model, tokenizer, rows: medusa.load_drafter(
                model, trained_path("medusa", options), rows)),
     Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
-           "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree"),
+           "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
            drafter=lambda options, model, tokenizer, rows: ppd.load_drafter(
                model, trained_path("ppd", options), rows, options.static_tree)),
@@ -114,6 +129,12 @@ METHODS = {m.name: m for m in [
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
            ("trained",), trained=True, guesses=False,
            engine=lambda options, model, tokenizer: load_apar_model(model, tokenizer, trained_path("apar", options))),
+    Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
+           "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
+           "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
+           ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"),
+           drafter=lambda options, model, tokenizer, rows: auto_drafter(options, model, tokenizer,
+                                                                        machine_latency(model))),
 ]}
 
 
@@ -156,6 +177,11 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
         type=integer(2, MAX_TREE_ROWS), metavar="N",
         help=f"inputs per forward pass, 2..{MAX_TREE_ROWS}: the root, the guesses and (ppd) the soft tokens "
              f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS})")),
+    "fixed_size": ("--fixed-size", dict(
+        action="store_true",
+        help="send the method's whole tree every step, as its paper does, instead of the part of it that pays "
+             "on this machine (cost-aware drafting, cost_aware.py: each guess's chance of acceptance, "
+             "calibrated as the answer goes, against the measured cost of a pass over n inputs)")),
     "static_tree": ("--static-tree", dict(
         action="store_true", help="every node carries all soft tokens, instead of the dynamic sparse tree "
                                   "(section 4) that gives them where they pay most")),
@@ -191,8 +217,13 @@ def inputs_per_pass(method: Method, options, model) -> int | None:
     return calibrated_rows(model, calibration_name(method, options), size.default + size.root)
 
 
-def build_drafter(method: Method, options, model, tokenizer, rows: int | None = None) -> Drafter:
-    """The method's drafter, with `rows` inputs per forward pass (default: inputs_per_pass)."""
+def build_drafter(method: Method, options, model, tokenizer, rows: int | None = None,
+                  latency: Latency | None = None) -> Drafter:
+    """The method's drafter, with at most `rows` inputs per forward pass (default: inputs_per_pass),
+    cost-aware unless --fixed-size (L(n): `latency`, default this machine's, calibrate.machine_latency)."""
     if method.drafter is None:
         raise ValueError(f"{method.name} is an engine, not a drafter")
-    return method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model))
+    drafter = method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model))
+    if not method.guesses or options.fixed_size:
+        return drafter
+    return CostAware(drafter, latency or machine_latency(model))

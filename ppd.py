@@ -73,8 +73,10 @@ class PPDDrafter(TopKDrafter):
     tree is the state T_k of the dynamic sparse tree (section 4, Figure 3), its nodes carrying the
     soft tokens the tree allots them."""
 
-    def __init__(self, model, soft_tokens: SoftTokens, dynamic_tree: "DynamicSparseTree"):
+    def __init__(self, model, soft_tokens: SoftTokens, dynamic_tree: "DynamicSparseTree",
+                 accuracy: list[list[float]]):
         self.model, self.soft_tokens, self.dynamic_tree = model, soft_tokens.requires_grad_(False), dynamic_tree
+        self.accuracy = accuracy  # accuracy[d][r], held out: the prior of each guess's acceptance
         prefill_rows = soft_tokens.count * soft_tokens.ensembles  # after the prompt, in the prefill
         self.max_draft_tokens = max(prefill_rows, dynamic_tree.rows - 1)
         self.predicted_tokens_per_pass = dynamic_tree.tokens_per_pass
@@ -92,7 +94,8 @@ class PPDDrafter(TopKDrafter):
     def propose(self):
         state = self.dynamic_tree.states[len(self.candidates)]
         return self.with_soft_inputs(Tree.from_topk(self.history[-1], self.candidates, state.spec,
-                                                    state.soft_counts, self.soft_tokens.ensembles))
+                                                    state.soft_counts, self.soft_tokens.ensembles,
+                                                    self.accuracy, source="ppd"))
 
     def with_soft_inputs(self, tree: Tree) -> Tree:
         tree.soft_inputs = self.soft_tokens.for_slots(tree.soft_slots())  # [S, D]
@@ -115,7 +118,7 @@ def load_drafter(model, path: Path, rows: int, static: bool = False) -> PPDDraft
             raise TooFewRows(f"--tree-rows {rows} cannot hold the root and its soft tokens ({m} soft tokens "
                              f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
         tree = best_dynamic_sparse_tree(meta["accuracy"], rows, m, n, dynamic=not static)
-        return PPDDrafter(model, soft_tokens, tree)
+        return PPDDrafter(model, soft_tokens, tree, meta["accuracy"])
 
 
 # ---- the dynamic sparse tree (section 4) ---------------------------------------------------------

@@ -32,6 +32,7 @@ Pure Python and torch tensors, no model code, so it can be property-tested exhau
 
 import heapq
 import math
+from itertools import repeat
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -47,17 +48,24 @@ class Tree:
 
     soft_counts[i]: how many soft tokens node i carries (none by default), each in `ensembles`
     copies; soft_inputs [S, D]: their embeddings, one row per `soft_slots()` entry, in that order.
+
+    evidence[i]: why node i was guessed, as (key, prior) pairs, one per source that guessed it: the
+    key files the guess's outcome for cost-aware drafting (cost_aware.py; e.g. ("anpd", level 4,
+    seen twice)), the prior is the source's own estimate of its chance. () for the root.
     """
 
     def __init__(self, tokens: Sequence[int], parents: Sequence[int],
                  draft_probs: torch.Tensor | None = None, soft_counts: Sequence[int] | None = None,
-                 ensembles: int = 1, soft_inputs: torch.Tensor | None = None):
+                 ensembles: int = 1, soft_inputs: torch.Tensor | None = None,
+                 evidence: Sequence[tuple] | None = None):
         if not tokens or len(tokens) != len(parents) or parents[0] != -1:
             raise ValueError("a tree needs a root (parent -1) and one parent per token")
         if draft_probs is not None and len(draft_probs) != len(tokens):
             raise ValueError(f"draft_probs has {len(draft_probs)} rows for {len(tokens)} nodes")
         if soft_counts is not None and len(soft_counts) != len(tokens):
             raise ValueError(f"soft_counts has {len(soft_counts)} entries for {len(tokens)} nodes")
+        if evidence is not None and len(evidence) != len(tokens):
+            raise ValueError(f"evidence has {len(evidence)} entries for {len(tokens)} nodes")
         self.tokens = list(tokens)
         self.parents = list(parents)
         self.draft_probs = draft_probs
@@ -66,6 +74,7 @@ class Tree:
         if soft_inputs is not None and len(soft_inputs) != len(self.soft_slots()):
             raise ValueError(f"soft_inputs has {len(soft_inputs)} rows for {len(self.soft_slots())} soft tokens")
         self.soft_inputs = soft_inputs
+        self.evidence = list(evidence) if evidence is not None else [()] * len(tokens)
         self.depths = [0]
         self.children = [[] for _ in tokens]
         for node in range(1, len(tokens)):
@@ -78,46 +87,56 @@ class Tree:
     # ---- builders ----
 
     @classmethod
-    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None) -> "Tree":
-        """root -> draft[0] -> draft[1] -> ...; draft_probs [len(draft), V]: what each was sampled from."""
+    def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None,
+              evidence: Sequence[tuple] | None = None) -> "Tree":
+        """root -> draft[0] -> draft[1] -> ...; draft_probs [len(draft), V]: what each was sampled from;
+        evidence: each guess's (see the class)."""
         if draft_probs is not None:
             draft_probs = torch.cat([draft_probs.new_zeros(1, draft_probs.shape[-1]), draft_probs])  # root's row
-        return cls([root, *draft], list(range(-1, len(draft))), draft_probs)
+        return cls([root, *draft], list(range(-1, len(draft))), draft_probs,
+                   evidence=None if evidence is None else [(), *evidence])
 
     @classmethod
     def from_branches(cls, root: int, branches: Iterable[Sequence[int]], budget: int,
-                      merge: bool = True) -> "Tree":
+                      merge: bool = True, evidence: Iterable[Sequence[tuple]] | None = None) -> "Tree":
         """Hang each branch (a guessed continuation of the root) under the root, best branch first,
         until `budget` draft nodes are used (the last branch that fits only partly is cut).
 
         merge=True shares common prefixes, so a branch costs only its tokens not yet in the tree
         (Lookahead's hierarchical draft); merge=False lays every branch out whole (parallel draft).
+        evidence (optional): per branch, per token, its evidence (see the class); a shared node
+        gathers the evidence of every branch through it.
         """
-        tokens, parents = [root], [-1]
+        tokens, parents, node_evidence = [root], [-1], [()]
         child_with_token = {}  # (parent node, token) -> node, for merging
-        for branch in branches:
+        for branch, branch_evidence in zip(branches, evidence if evidence is not None else repeat(())):
             parent = 0
-            for token in branch:
+            for depth, token in enumerate(branch):
+                found = branch_evidence[depth] if branch_evidence else ()
                 if merge and (parent, token) in child_with_token:
                     parent = child_with_token[parent, token]
+                    node_evidence[parent] += tuple(e for e in found if e not in node_evidence[parent])
                     continue
                 if len(tokens) > budget:
-                    return cls(tokens, parents)
+                    return cls(tokens, parents, evidence=node_evidence)
                 tokens.append(token)
                 parents.append(parent)
+                node_evidence.append(tuple(found))
                 child_with_token[parent, token] = len(tokens) - 1
                 parent = len(tokens) - 1
-        return cls(tokens, parents)
+        return cls(tokens, parents, evidence=node_evidence)
 
     @classmethod
     def from_topk(cls, root: int, candidates: Sequence[Sequence[int]],
                   spec: Iterable[Sequence[int]], soft_counts: Sequence[int] | None = None,
-                  ensembles: int = 1) -> "Tree":
+                  ensembles: int = 1, accuracy: Sequence[Sequence[float]] | None = None,
+                  source: str = "top-k") -> "Tree":
         """A sparse tree over per-depth candidates: candidates[d][i] is the (i+1)-th best guess for
         the token at depth d+1. Each path in `spec` (e.g. (0, 1): best guess, then second best)
         becomes one node; every path's prefix must come earlier in the spec. soft_counts: soft
-        tokens per node (root first), as ppd.py allots them."""
-        tokens, parents = [root], [-1]
+        tokens per node (root first), as ppd.py allots them. accuracy[d][r] (optional): how often
+        the rank-r guess at depth d+1 is right, each node's evidence ((source, depth, rank), that)."""
+        tokens, parents, evidence = [root], [-1], [()]
         node_of_path = {(): 0}
         for path in map(tuple, spec):
             if not path or path[:-1] not in node_of_path:
@@ -128,7 +147,8 @@ class Tree:
             tokens.append(candidates[depth][rank])
             parents.append(node_of_path[path[:-1]])
             node_of_path[path] = len(tokens) - 1
-        return cls(tokens, parents, soft_counts=soft_counts, ensembles=ensembles)
+            evidence.append((((source, depth + 1, rank), accuracy[depth][rank]),) if accuracy else ())
+        return cls(tokens, parents, soft_counts=soft_counts, ensembles=ensembles, evidence=evidence)
 
     # ---- what the forward pass needs ----
 
@@ -182,14 +202,20 @@ class Tree:
         run past --max-new-tokens or the context)."""
         if max(self.depths) <= max_depth:
             return self
-        keep = [n for n in range(len(self.tokens)) if self.depths[n] <= max_depth]
+        return self.subtree([n for n in range(len(self.tokens)) if self.depths[n] <= max_depth])
+
+    def subtree(self, keep: Sequence[int]) -> "Tree":
+        """The nodes `keep` (ascending, the root and every kept node's parent among them), with their
+        soft tokens, draft distributions and evidence."""
         new_index = {old: new for new, old in enumerate(keep)}
-        kept_soft_rows = [row for row, (node, _, _) in enumerate(self.soft_slots()) if self.depths[node] <= max_depth]
+        kept = set(keep)
+        kept_soft_rows = [row for row, (node, _, _) in enumerate(self.soft_slots()) if node in kept]
         return Tree([self.tokens[n] for n in keep],
                     [-1] + [new_index[self.parents[n]] for n in keep[1:]],
-                    None if self.draft_probs is None else self.draft_probs[keep],
+                    None if self.draft_probs is None else self.draft_probs[list(keep)],
                     [self.soft_counts[n] for n in keep], self.ensembles,
-                    None if self.soft_inputs is None else self.soft_inputs[kept_soft_rows])
+                    None if self.soft_inputs is None else self.soft_inputs[kept_soft_rows],
+                    [self.evidence[n] for n in keep])
 
     def __repr__(self) -> str:
         return f"Tree(tokens={self.tokens}, parents={self.parents})"

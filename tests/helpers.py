@@ -278,7 +278,7 @@ class WrongBranchFirst(Drafter):
 
     def begin(self, request):
         super().begin(request)
-        self.prompt_length = len(request.prompt_ids) + 1  # the root, chosen by the prefill, is history too
+        self.prompt_length = len(request.prompt_ids)  # then the answer: its next token follows the root
 
 
 def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter):

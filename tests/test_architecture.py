@@ -15,7 +15,8 @@ MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
     ["errors", "meter", "cpu_kernels", "model", "kv_cache", "tree", "sampling", "tokenizer", "convert",
      "artifacts", "bench_data"],  # foundations
-    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune"],  # the methods' parts
+    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "cost_aware",
+     "combined"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop
     ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text
     ["cli", "bench", "train_prompt", "visualize"],  # the programs

@@ -42,7 +42,7 @@ def drafters(model):
         "lookahead-parallel": TrieDrafter(decoding_length=6, branch_length=3, hierarchical=False),
         "speculative": DraftModelDrafter(model.first_layers(1), gamma=3),
         "medusa": MedusaDrafter(model, heads.to(model.device), ACCURACY, rows=8),
-        "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(ACCURACY, 12, 3, 2)),
+        "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(ACCURACY, 12, 3, 2), ACCURACY),
     }
 
 

@@ -119,7 +119,7 @@ def random_ppd(model, seed, m, ensembles, rows, dynamic):
                                       dtype=torch.float64))
     accuracy = random_accuracy(random.Random(seed), m, 4)
     rows = max(rows, 1 + (1 if dynamic else m) * ensembles)
-    return PPDDrafter(model, tokens, best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic))
+    return PPDDrafter(model, tokens, best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic), accuracy)
 
 
 @settings(deadline=None)

@@ -17,6 +17,8 @@ from hypothesis import given, strategies as st
 
 import verify as verify_module
 from helpers import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
+from combined import CombinedDrafter, SoftTokensOnRoot
+from cost_aware import CostAware, Latency
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import MedusaDrafter, MedusaHeads
@@ -99,7 +101,7 @@ def medusa(model):
 def ppd(model):
     embeddings = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
                              dtype=torch.float64)
-    return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(ACCURACY, 16, 3, 2))
+    return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(ACCURACY, 16, 3, 2), ACCURACY)
 
 
 def drafters(model, other_draft):
@@ -110,10 +112,15 @@ def drafters(model, other_draft):
         "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
         "medusa": lambda: medusa(model),
         "ppd": lambda: ppd(model),
+        # cost-aware (a pass of 4 inputs costs 1.3 of one) and combined: n-grams, trie, soft tokens on the root
+        "speculative-cost-aware": lambda: CostAware(DraftModelDrafter(other_draft, gamma=3), Latency({1: 1, 4: 1.3})),
+        "auto": lambda: CostAware(CombinedDrafter([NGramDrafter(n=3, k=3), TrieDrafter(decoding_length=6, branch_length=3)],
+                                                  SoftTokensOnRoot(ppd(model))), Latency({1: 1.0, 4: 1.3})),
     }
 
 
-@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other", "medusa", "ppd"])
+@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other", "medusa", "ppd",
+                                    "speculative-cost-aware", "auto"])
 def test_sampled_tokens_follow_the_model(model, prompt, other_draft, method):
     counts, accepted = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
     assert accepted > RUNS // 8  # guesses were accepted often, so the verifier was really tested

@@ -1,0 +1,97 @@
+"""The combined drafter (combined.py, --method auto): its tree merges every source's guesses with
+their evidence, and it decodes exactly as vanilla greedy, cost-aware or not, with or without PPD's
+soft tokens on the root (its sampling is tested with the other methods in test_sampling_decode.py)."""
+
+import torch
+from hypothesis import given, strategies as st
+
+from combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
+from cost_aware import CostAware, Latency
+from decode import generate
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from helpers import assert_decodes_as_naive_greedy, random_accuracy, tiny_model, trees
+from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from tree import Tree
+
+import random
+
+
+def random_ppd(model, seed=0):
+    embeddings = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(seed),
+                             dtype=torch.float64)
+    accuracy = random_accuracy(random.Random(seed), 3, 4)
+    return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(accuracy, 12, 3, 2), accuracy)
+
+
+@given(trees())
+def test_a_tree_is_its_branches_merged_again(tree):
+    """branches() then from_branches(merge=True) gives back the tree's guessed token paths."""
+    paths, evidence = branches(tree)
+    rebuilt = Tree.from_branches(tree.tokens[0], paths, budget=len(tree), evidence=evidence)
+
+    def token_paths(t):
+        out = set()
+        for node in range(1, len(t)):
+            path, n = [], node
+            while n:
+                path.append(t.tokens[n])
+                n = t.parents[n]
+            out.add(tuple(reversed(path)))
+        return out
+    assert token_paths(rebuilt) == token_paths(tree)
+
+
+class Fixed(Drafter):
+    """A source that proposes one given chain with one evidence key."""
+
+    def __init__(self, chain, key):
+        self.chain, self.key = chain, key
+        self.max_draft_tokens = len(chain)
+
+    def propose(self):
+        return Tree.chain(self.history[-1], self.chain, evidence=[(((self.key,), 0.5),)] * len(self.chain))
+
+
+def test_a_guess_two_sources_agree_on_is_one_node_with_both_sources_evidence():
+    combined = CombinedDrafter([Fixed([5, 6, 7], "x"), Fixed([5, 6, 9], "y")])
+    combined.begin(type("Request", (), {"prompt_ids": [1, 2]})())
+    tree = combined.propose()
+    assert tree.tokens == [2, 5, 6, 7, 9] and tree.parents == [-1, 0, 1, 2, 2]
+    assert [sorted(key[0][0] for key in e) for e in tree.evidence] == [[], ["x", "y"], ["x", "y"], ["x"], ["y"]]
+
+
+def test_soft_tokens_ride_on_the_root_only_where_they_pay():
+    model = tiny_model(0)
+    ppd = random_ppd(model)
+    inputs = 1 + 3 * 2
+    cheap = Latency({1: 1.0, inputs: 1.0})
+    dear = Latency({1: 1.0, inputs: ppd.predicted_tokens_per_pass + 0.01})
+    assert combined_drafter(NGramDrafter(), TrieDrafter(), ppd, cheap).soft is not None
+    assert combined_drafter(NGramDrafter(), TrieDrafter(), ppd, dear).soft is None
+
+
+@given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24),
+       st.booleans(), st.booleans())
+def test_the_combined_drafter_decodes_as_vanilla_greedy(seed, prompt, max_new_tokens, with_ppd, cost_aware):
+    model = tiny_model(seed)
+    soft = SoftTokensOnRoot(random_ppd(model, seed)) if with_ppd else None
+    drafter = CombinedDrafter([NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)], soft)
+    if cost_aware:
+        drafter = CostAware(drafter, Latency({1: 1.0, 4: 1.3, 16: 2.0}))
+    assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, drafter)
+
+
+def test_the_combined_drafter_takes_guesses_from_every_source():
+    """On a repetitive answer all three sources have guesses accepted (so none is dead code)."""
+    model = tiny_model(0)
+    ppd = random_ppd(model)
+    sources_accepted = set()
+
+    def watch(step):
+        for node in step.verdict.path[1:]:
+            sources_accepted.update(key[0][0] for key in step.tree.evidence[node])
+
+    drafter = CombinedDrafter([NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)],
+                              SoftTokensOnRoot(ppd))
+    generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter, on_pass=watch)
+    assert sources_accepted == {"anpd", "lookahead", "ppd"}

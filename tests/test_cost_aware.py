@@ -1,0 +1,148 @@
+"""Cost-aware drafting (cost_aware.py): the chosen subtree is a tree of the candidates, within their
+budget, empty when nothing can be accepted, whole when passes cost the same, and the best of all
+subtrees by brute force; the acceptance estimates converge to the rate verification accepts; and a
+cost-aware drafter still decodes exactly as vanilla greedy."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from cost_aware import AcceptanceEstimates, CostAware, Latency, best_subtree, reach
+from decode import generate
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
+from tree import Tree
+from verify import verify_greedy
+
+latencies = st.dictionaries(st.integers(1, 40), st.floats(0.01, 10.0), min_size=1, max_size=6).map(Latency)
+
+
+@st.composite
+def trees_and_estimates(draw, max_nodes=12, low=0.0, high=1.0):
+    tree = draw(trees(max_nodes=max_nodes))
+    p = [1.0] + [draw(st.floats(low, high)) for _ in range(tree.draft_size)]
+    return tree, p
+
+
+def is_subtree(small: Tree, big: Tree) -> bool:
+    """`small` is `big` cut to some nodes: the same tokens under the same parents, root kept."""
+    paths = {tuple(big.tokens[n] for n in path_nodes(big, node)) for node in range(len(big))}
+    return small.tokens[0] == big.tokens[0] and all(
+        tuple(small.tokens[n] for n in path_nodes(small, node)) in paths for node in range(len(small)))
+
+
+def path_nodes(tree, node):
+    nodes = [node]
+    while tree.parents[nodes[-1]] != -1:
+        nodes.append(tree.parents[nodes[-1]])
+    return nodes[::-1]
+
+
+def rate(tree: Tree, p, keep, latency) -> float:
+    reached = reach(tree, p)
+    return (1 + sum(reached[n] for n in keep if n)) / latency(len(keep))
+
+
+@given(trees_and_estimates(), latencies)
+def test_the_chosen_tree_is_a_subtree_within_the_budget(case, latency):
+    tree, p = case
+    chosen = best_subtree(tree, p, latency)
+    assert len(chosen) <= len(tree) and is_subtree(chosen, tree)
+    assert all(0 <= parent < node for node, parent in enumerate(chosen.parents) if node)
+
+
+@given(trees_and_estimates(high=0.0), latencies)
+def test_nothing_is_proposed_when_no_guess_can_be_accepted(case, latency):
+    tree, p = case
+    assert len(best_subtree(tree, p, latency)) == 1
+
+
+@given(trees_and_estimates(low=0.01))
+def test_flat_costs_keep_every_guess_with_a_chance(case):
+    tree, p = case
+    chosen = best_subtree(tree, p, Latency.flat())
+    assert chosen.tokens == tree.tokens and chosen.parents == tree.parents
+
+
+@given(trees_and_estimates(max_nodes=9), latencies)
+def test_the_chosen_tree_is_the_best_of_all_subtrees(case, latency):
+    """Brute force: no subtree (root kept, parents before children) has a higher expected rate."""
+    shape, p = case
+    tree = Tree(list(range(len(shape))), shape.parents)  # token = node, so the kept nodes are its tokens
+    kept = best_subtree(tree, p, latency).tokens
+    best = max(rate(tree, p, [0, *nodes], latency) for size in range(len(tree))
+               for nodes in itertools.combinations(range(1, len(tree)), size)
+               if all(tree.parents[n] == 0 or tree.parents[n] in nodes for n in nodes))
+    assert rate(tree, p, kept, latency) >= best - 1e-12
+
+
+def test_latency_interpolates_and_never_decreases():
+    latency = Latency({1: 1.0, 4: 2.5, 8: 2.0, 16: 4.0})
+    assert latency(1) == latency(0) == 1.0
+    assert latency(2) == pytest.approx(1.5)
+    assert latency(8) == 2.5  # a noisy measurement below a smaller size is lifted to it
+    assert latency(12) == pytest.approx(3.25)
+    assert latency(32) == pytest.approx(7.0)  # along the last segment
+    with pytest.raises(ValueError):
+        Latency({1: 0.0})
+
+
+# ---- online calibration --------------------------------------------------------------------------
+
+class ScriptedGuesser(Drafter):
+    """Chains of 4 guesses, each vanilla's next token with probability `rate` (else a wrong one), filed
+    under one key with a prior far from the truth."""
+
+    def __init__(self, answer, vocab, rate, seed=0):
+        self.answer, self.vocab, self.rate = answer, vocab, rate
+        self.rng = random.Random(seed)
+        self.max_draft_tokens = 4
+
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(request.prompt_ids)  # then the answer, the root its last token so far
+
+    def propose(self):
+        done = len(self.history) - self.prompt_length
+        right = self.answer[done:done + 4]
+        guesses = [t if self.rng.random() < self.rate else (t + 1) % self.vocab for t in right]
+        return Tree.chain(self.history[-1], guesses, evidence=[((("scripted",), 0.05),)] * len(guesses))
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.8])
+def test_estimates_converge_to_the_acceptance_rate(rate):
+    """Through the real loop on a tiny model: after a long answer the estimate for the key is the
+    rate at which its guesses were right (a wrong prior is outweighed). Flat costs, so every guess is
+    sent and judged."""
+    model = tiny_model(1, vocab=16, max_positions=1024)
+    answer = naive_greedy(model, [3, 1], 600)
+    drafter = CostAware(ScriptedGuesser(answer, 16, rate), Latency.flat())
+    got = generate(model, [3, 1], max_new_tokens=600, eos_ids=set(), drafter=drafter).token_ids
+    assert got == answer
+    estimates = drafter.estimates
+    assert estimates.judged[("scripted",)] > 300
+    assert estimates.probability(("scripted",), 0.05) == pytest.approx(rate, abs=0.06)
+
+
+def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
+    tree = Tree([0, 1, 2, 3, 4], [-1, 0, 1, 0, 3],
+                evidence=[(), ((("a",), 0.5),), ((("b",), 0.5),), ((("c",), 0.5),), ((("d",), 0.5),)])
+    logits = torch.zeros(5, 8)
+    logits[0, 1] = logits[1, 5] = 1.0  # the model takes node 1, then 5: node 2 rejected, 3 rejected, 4 unreached
+    drafter = CostAware(Drafter(), Latency.flat())
+    drafter.estimates = AcceptanceEstimates()
+    drafter.verified(tree, verify_greedy(tree, logits))
+    assert dict(drafter.estimates.judged) == {("a",): 1, ("b",): 1, ("c",): 1}
+    assert dict(drafter.estimates.accepted) == {("a",): 1}
+
+
+# ---- still lossless ------------------------------------------------------------------------------
+
+@given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24), latencies)
+def test_cost_aware_drafters_decode_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
+    model = tiny_model(seed)
+    for drafter in [NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)]:
+        assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(drafter, latency))
