@@ -52,9 +52,12 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,12 +67,12 @@ import torch
 import apar
 import bench_data
 from artifacts import load as load_artifact, shipped_artifact, written_atomically
-from calibrate import cpu_name, forward_latency
-from convert import default_model_dir
+from calibrate import cpu_name, forward_latency, machine_latency
+from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import prepare_tree_kernels
 from decode import generate
 from drafters import DraftModelDrafter, Drafter, NGramDrafter
-from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, integer, run_program, writable
+from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
 from methods import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS, build_drafter,
                      default_options)
 from model import DTYPES, load_checkpoint, parse_device
@@ -83,16 +86,36 @@ LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
 STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
+LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
-VARIANTS = {  # --methods name -> (registered method, its options)
+VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: the paper's whole tree
     "anpd": ("anpd", {}), "lookahead": ("lookahead", {}),
     "lookahead-parallel": ("lookahead", {"lookahead_mode": "parallel"}),
     "speculative": ("speculative", {}), "medusa": ("medusa", {}), "ppd": ("ppd", {}),
-    "ppd-static": ("ppd", {"static_tree": True}),
+    "ppd-static": ("ppd", {"static_tree": True}), "auto": ("auto", {}),
 }
+VARIANTS |= {f"{name}-fixed": (method, options | {"fixed_size": True}) for name, (method, options) in VARIANTS.items()}
 
 
 # ---- methods x categories ------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One generation as a benchmark sees it."""
+    new_tokens: int
+    forward_passes: int
+    seconds: float  # the whole generation, prefill included
+    decode_seconds: float | None  # after the prefill, which yields the first token (None: not known)
+    same_as_vanilla: bool = False
+    token_ids: list[int] | None = None  # (ours and transformers')
+
+
+def best_of(runs: list[Run]) -> Run:
+    """The fastest of a prompt's runs, end to end and in the decode phase (their outputs agree)."""
+    decode = [run.decode_seconds for run in runs if run.decode_seconds is not None]
+    return Run(runs[0].new_tokens, runs[0].forward_passes, min(run.seconds for run in runs),
+               min(decode) if len(decode) == len(runs) else None, all(run.same_as_vanilla for run in runs))
+
 
 @dataclass
 class Tally:
@@ -100,23 +123,36 @@ class Tally:
     new_tokens: int = 0
     forward_passes: int = 0
     seconds: float = 0.0
+    decode_seconds: float | None = 0.0  # None once a prompt's decode phase is unknown
     same_as_vanilla: int = 0
     prompts: int = 0
 
     def add(self, token_ids, forward_passes, seconds, vanilla_ids):
-        self.new_tokens += len(token_ids)
-        self.forward_passes += forward_passes
-        self.seconds += seconds
-        self.same_as_vanilla += token_ids == vanilla_ids
+        self.add_run(Run(len(token_ids), forward_passes, seconds, None, token_ids == vanilla_ids))
+
+    def add_run(self, run: Run):
+        self.new_tokens += run.new_tokens
+        self.forward_passes += run.forward_passes
+        self.seconds += run.seconds
+        known = self.decode_seconds is not None and run.decode_seconds is not None
+        self.decode_seconds = self.decode_seconds + run.decode_seconds if known else None
+        self.same_as_vanilla += run.same_as_vanilla
         self.prompts += 1
 
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first (which the prefill yields) per second of the decode phase."""
+        if self.decode_seconds is None or self.decode_seconds <= 0:
+            return None
+        return (self.new_tokens - self.prompts) / self.decode_seconds
 
-def variant_drafter(name, model, tokenizer, args, rows=None):
+
+def variant_drafter(name, model, tokenizer, args, rows=None, latency=None):
     """The drafter `decode.py` would build for the --methods variant `name` (methods.py), with
     bench.py's --tree-rows and --draft-layers; `rows` inputs per pass if given."""
     method, options = VARIANTS[name]
     options = default_options(tree_rows=args.tree_rows, draft_layers=args.draft_layers, **options)
-    return build_drafter(METHODS[method], options, model, tokenizer, rows)
+    return build_drafter(METHODS[method], options, model, tokenizer, rows, latency)
 
 
 def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
@@ -131,6 +167,12 @@ def run_ours(model, prompt_ids, drafter, args, eos_ids, seed=0):
     return gen.token_ids, gen.forward_passes, gen.decode_seconds
 
 
+def timed_run(model, prompt_ids, drafter, args, eos_ids, seed, vanilla_ids=None) -> Run:
+    gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
+    return Run(len(gen.token_ids), gen.forward_passes, gen.decode_seconds, gen.decode_seconds - gen.prefill_seconds,
+               vanilla_ids is None or gen.token_ids == vanilla_ids, gen.token_ids)
+
+
 class PromptLookupPeer:
     """transformers' prompt lookup decoding, counting its forward passes with a hook."""
 
@@ -141,40 +183,105 @@ class PromptLookupPeer:
         self.passes = 0
         self.model.register_forward_hook(lambda *_: setattr(self, "passes", self.passes + 1))
 
-    def run(self, prompt_ids, args, eos_ids):
+    def run(self, prompt_ids, args, eos_ids, vanilla_ids) -> Run:
+        """One generation; its decode phase is the whole generation less a generation of one token."""
         ids = torch.tensor([prompt_ids], device=self.model.device)
+
+        def generate_up_to(new_tokens):
+            return timed(lambda: self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                eos_token_id=sorted(eos_ids), pad_token_id=min(eos_ids),
+                prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
+
+        _, prefill_seconds = generate_up_to(1)
         self.passes = 0
-        out, seconds = timed(lambda: self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new_tokens,
-            eos_token_id=sorted(eos_ids), pad_token_id=min(eos_ids), prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
+        out, seconds = generate_up_to(args.new_tokens)
         new = out[0, len(prompt_ids):].tolist()
         if any(t in eos_ids for t in new):  # keep up to the first end-of-sequence, as we do
             new = new[:next(i for i, t in enumerate(new) if t in eos_ids) + 1]
-        return new, self.passes, seconds
+        return Run(len(new), self.passes, seconds, seconds - prefill_seconds, new == vanilla_ids, new)
+
+
+class LlamaCppPeer:
+    """llama.cpp's own plain and n-gram lookup decoding (its examples/lookup program, which decodes
+    plainly with --spec-draft-n-max 0) on the same weights: the default GGUF re-quantized to F32
+    (`llama-quantize --allow-requantize`, once, into the cache), the same chat-templated prompt,
+    greedy, LLAMA_CPP_THREADS threads. Its own timings: prompt processing, then decoding."""
+
+    PROGRAMS = ["llama-lookup", "llama-quantize"]
+    DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+    ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+    ACCEPTED = re.compile(r"n_accept\s+=\s+(\d+)")
+
+    def __init__(self, folder: Path, threads: int):
+        missing = [name for name in self.PROGRAMS if not (folder / name).is_file()]
+        if missing:
+            raise UserError(f"--llama-cpp {folder} has no {', '.join(missing)}: build llama.cpp as the README's "
+                            "Speed section says and point at its build/bin folder")
+        self.folder, self.threads = folder, threads
+        self.gguf = cache_root() / "llama-cpp" / find_default_gguf().name.replace("Q4_1", "F32")
+        if not self.gguf.is_file():
+            self.gguf.parent.mkdir(parents=True, exist_ok=True)
+            print(f"llama.cpp: re-quantizing the default model to F32 -> {self.gguf}", file=sys.stderr)
+            self.call(["llama-quantize", "--allow-requantize", str(find_default_gguf()), str(self.gguf), "F32"])
+
+    def call(self, command: list[str]) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.folder / command[0]), *command[1:]], capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"llama.cpp's {command[0]} failed (exit {done.returncode}): {tail[0]}")
+        return done
+
+    def run(self, prompt_text: str, args, draft: int | None, vanilla_text: str) -> Run:
+        drafting = [] if draft is None else ["--spec-draft-n-max", str(draft)]  # None: llama.cpp's default
+        done = self.call(["llama-lookup", "-m", str(self.gguf), "-p", prompt_text, "-n", str(args.new_tokens),
+                          "-t", str(self.threads), "--temp", "0", "-c", "4096", *drafting])
+        decoded, encoded = self.DECODED.search(done.stderr), self.ENCODED.search(done.stderr)
+        if not decoded or not encoded:
+            raise UserError("llama.cpp's llama-lookup printed no timings: is it the version the README names?")
+        tokens, accepted = int(decoded.group(1)), int(self.ACCEPTED.search(done.stderr).group(1))
+        decode_seconds, prefill_seconds = float(decoded.group(2)), float(encoded.group(2))
+        # each decoding pass yields its accepted guesses + 1 token; the prompt's pass yields the first
+        return Run(tokens, tokens - accepted, prefill_seconds + decode_seconds, decode_seconds,
+                   vanilla_text in done.stdout)
 
 
 def bench_methods(args, tokenizer, report):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
+    llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads()) if args.llama_cpp else None
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_tree_kernels(model)
+        greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
-            dtype_name == "float32" and not args.skip_transformers and args.temperature == 0) else None
-        # one drafter per method for the whole run (Lookahead's trie carries over between prompts)
-        drafters = {name: variant_drafter(name, model, tokenizer, args) for name in args.methods}
-        methods = ["vanilla"] + args.methods + ([PEER] if peer else [])
+            greedy_float32 and not args.skip_transformers) else None
+        latency = machine_latency(model)  # measured (once per machine) before anything is timed
+        # one drafter per method and run: each sees every prompt once, in order, so Lookahead's trie,
+        # which carries over between prompts, is in the same state in every run of a prompt
+        drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
+                    for _ in range(args.runs)]
+        methods = (["vanilla"] + args.methods + ([PEER] if peer else [])
+                   + (LLAMA_CPP if llama and greedy_float32 else []))
         warm_up(model, peer, tokenizer)
         for category, texts in prompt_sets.items():
             tallies = {name: Tally() for name in methods}
             for number, text in enumerate(texts, 1):
                 prompt_ids = tokenizer.prompt_ids(text, raw=False)
-                vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, seed=number)
-                tallies["vanilla"].add(*vanilla, vanilla[0])
-                for name, drafter in drafters.items():
-                    tallies[name].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids, number),
-                                      vanilla[0])
-                if peer:
-                    tallies[PEER].add(*peer.run(prompt_ids, args, tokenizer.eos_ids), vanilla[0])
+                runs = {name: [] for name in methods}
+                for run in range(args.runs):  # interleaved: a burst of load hits every method alike
+                    vanilla = timed_run(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
+                    runs["vanilla"].append(vanilla)
+                    for name, drafter in drafters[run].items():
+                        runs[name].append(timed_run(model, prompt_ids, drafter, args, tokenizer.eos_ids, number,
+                                                    vanilla.token_ids))
+                    if PEER in runs:
+                        runs[PEER].append(peer.run(prompt_ids, args, tokenizer.eos_ids, vanilla.token_ids))
+                    if LLAMA_CPP[0] in runs:
+                        answer = tokenizer.decode([t for t in vanilla.token_ids if t not in tokenizer.eos_ids])
+                        for name, draft in zip(LLAMA_CPP, [0, None]):
+                            runs[name].append(llama.run(tokenizer.chat_prompt(text), args, draft, answer))
+                for name, prompt_runs in runs.items():
+                    tallies[name].add_run(best_of(prompt_runs))
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
@@ -188,24 +295,79 @@ def warm_up(model, peer, tokenizer):
     for drafter in [Drafter(), NGramDrafter()]:  # not the run's drafters: their state is the point
         run_ours(model, ids, drafter, warm, tokenizer.eos_ids)
     if peer:
-        peer.run(ids, warm, tokenizer.eos_ids)
+        peer.run(ids, warm, tokenizer.eos_ids, [])
 
 
 def report_category(report, dtype_name, category, tallies, args):
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
-    rows = [[name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, vanilla),
-             f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None] for name, t in tallies.items()]
-    report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}",
-                 [Column("method"), Column("tau", "tau (tokens/pass)", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
-                  Column("speedup", "speedup", "{:.2f}x"), Column("same_as_vanilla", "output = vanilla")], rows,
+    rows = []
+    for name, t in tallies.items():
+        own = tallies[LLAMA_CPP[0]] if name in LLAMA_CPP else vanilla  # llama.cpp: over its own vanilla
+        decode = t.decode_tokens_per_second
+        rows.append([name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, own),
+                     decode, decode / own.decode_tokens_per_second if decode else None,
+                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None])
+    report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}, "
+                 f"best of {args.runs} runs" + ("; llama.cpp's speedups are over its own vanilla" if (
+                     LLAMA_CPP[0] in tallies) else ""),
+                 [Column("method"), Column("tau", "tau (tokens/pass)", "{:.2f}"),
+                  Column("tokens_per_second", "tokens/s", "{:.1f}"), Column("speedup", "speedup", "{:.2f}x"),
+                  Column("decode_tokens_per_second", "decode tokens/s", "{:.1f}"),
+                  Column("decode_speedup", "decode speedup", "{:.2f}x"),
+                  Column("same_as_vanilla", "output = vanilla")], rows,
                  kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
-                 new_tokens=args.new_tokens, temperature=args.temperature)
+                 new_tokens=args.new_tokens, temperature=args.temperature, runs=args.runs)
 
 
 def speedup(t: Tally, vanilla: Tally) -> float:
     """Tokens per second over vanilla's, both measured in the same run."""
     return (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds)
+
+
+# ---- how often each kind of guess is accepted ---------------------------------------------------
+
+def bench_acceptance(args, tokenizer, report):
+    """Per method: alpha (accepted guesses / judged guesses, a guess being judged when its parent was
+    accepted) and tau per verifying pass; per evidence key (cost_aware.py): how often its guesses were
+    accepted: the priors of drafters.py come from this table. Held-out prompts: not bench.py's own."""
+    model = load_checkpoint(default_model_dir(), torch.float32, args.device)
+    prepare_tree_kernels(model)
+    prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
+               for text in bench_data.prompts(category, args.prompts, held_out=True)]
+    judged, accepted, per_method = Counter(), Counter(), {}
+
+    def count(method):
+        def watch(step):
+            for node, outcome in enumerate(step.verdict.outcomes(step.tree)):
+                if node and outcome != "unreached":
+                    per_method[method][0] += outcome == "accepted"
+                    per_method[method][1] += 1
+                    for key, _ in step.tree.evidence[node]:
+                        judged[key] += 1
+                        accepted[key] += outcome == "accepted"
+            per_method[method][2] += len(step.emitted)
+            per_method[method][3] += 1
+        return watch
+
+    for name in args.methods:
+        per_method[name] = [0, 0, 0, 0]  # accepted, judged, tokens, verifying passes
+        drafter = variant_drafter(name, model, tokenizer, args)
+        for number, prompt_ids in enumerate(prompts, 1):
+            generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids, drafter=drafter,
+                     on_pass=count(name))
+            print(f"\r  {name}: prompt {number}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    report.table(f"acceptance per method: {len(prompts)} held-out prompts ({', '.join(args.categories)}), up to "
+                 f"{args.new_tokens} new tokens, greedy",
+                 [Column("method"), Column("alpha", "alpha (accepted / judged guesses)", "{:.3f}"),
+                  Column("judged", "judged guesses"), Column("tau", "tau per verifying pass", "{:.2f}")],
+                 [[name, a / max(j, 1), j, t / max(p, 1)] for name, (a, j, t, p) in per_method.items()],
+                 kind="acceptance")
+    report.table("acceptance per evidence key (cost_aware.py): P(accepted | parent accepted)",
+                 [Column("key"), Column("judged"), Column("accepted"), Column("rate", fmt="{:.3f}")],
+                 [[" ".join(map(str, key)), judged[key], accepted[key], accepted[key] / judged[key]]
+                  for key in sorted(judged, key=str)], kind="acceptance_keys")
 
 
 # ---- the draft-model method per gamma -------------------------------------------------------------
@@ -493,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="bench.py", description=__doc__.split("\n\n")[0],
                            formatter_class=DefaultsHelpFormatter)
     p.add_argument("what", nargs="?", default="methods",
-                   choices=["methods", "speculative", "learned", "latency", "apar"],
-                   help="methods x categories; the draft-model method per gamma; Medusa vs PPD per tree "
-                        "budget; vanilla speed and step latency; or APAR against vanilla (default: methods)")
+                   choices=["methods", "acceptance", "speculative", "learned", "latency", "apar"],
+                   help="methods x categories; how often each kind of guess is accepted (held-out prompts); the "
+                        "draft-model method per gamma; Medusa vs PPD per tree budget; vanilla speed and step "
+                        "latency; or APAR against vanilla (default: methods)")
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
@@ -513,8 +676,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also draw the charts next to the results file (as `visualize.py bench FILE.json`): "
                         "methods: speedup per method and category with tau on the bars; latency: L(T)/L(1)")
     g = p.add_argument_group("methods")
-    g.add_argument("--methods", nargs="+", default=["anpd", "lookahead"], choices=list(VARIANTS),
-                   help="methods next to vanilla")
+    g.add_argument("--methods", nargs="+", default=["anpd", "lookahead", "auto"], choices=list(VARIANTS),
+                   metavar="METHOD", help="methods next to vanilla: " + ", ".join(VARIANTS) + " (NAME-fixed: the "
+                   "paper's whole tree every step, decode.py's --fixed-size; the others cost-aware)")
+    g.add_argument("--runs", type=integer(1, 100), default=2, metavar="N",
+                   help="runs of every prompt per method, interleaved; the fastest counts (end to end and "
+                        "decode phase)")
+    g.add_argument("--llama-cpp", type=Path, metavar="DIR",
+                   help="llama.cpp's build/bin folder (llama-lookup, llama-quantize): adds its plain and lookup "
+                        "decoding of the same weights (F32) to the greedy float32 tables (README, Speed)")
     g.add_argument("--tree-rows", type=integer(2, MAX_TREE_ROWS), metavar="N",
                    help=f"medusa / ppd: inputs per forward pass, 2..{MAX_TREE_ROWS} (default: decode.py "
                         f"--calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")
@@ -563,6 +733,8 @@ def bench_command(argv) -> None:
     with torch.inference_mode():
         if args.what == "methods":
             bench_methods(args, tokenizer, report)
+        elif args.what == "acceptance":
+            bench_acceptance(args, tokenizer, report)
         elif args.what == "speculative":
             bench_speculative(args, tokenizer, report)
         elif args.what == "learned":

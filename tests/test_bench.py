@@ -1,0 +1,71 @@
+"""bench.py's methods table: best of interleaved runs, the decode phase next to the whole generation,
+and llama.cpp as a peer, here a stand-in program that prints llama-lookup's timing lines (the real one
+is built by hand, README "Speed"), so that its parsing and its speedup over its own vanilla are checked."""
+
+import json
+import stat
+
+import pytest
+
+import bench
+import bench_data
+from errors import UserError
+
+FAKE_LOOKUP = """#!/usr/bin/env bash
+# llama-lookup's output: the prompt and the answer on stdout, timings on stderr
+prompt=""; plain=0
+while [ $# -gt 0 ]; do
+  case "$1" in -p) prompt="$2"; shift;; --spec-draft-n-max) [ "$2" = 0 ] && plain=1; shift;; esac; shift
+done
+printf '%s%s' "$prompt" "ANSWER"
+echo "encoded   20 tokens in    0.100 seconds, speed:  200.000 t/s" >&2
+if [ $plain = 1 ]; then
+  echo "decoded   11 tokens in    1.000 seconds, speed:   11.000 t/s" >&2; echo "n_accept     = 0" >&2
+else
+  echo "decoded   11 tokens in    0.400 seconds, speed:   27.500 t/s" >&2; echo "n_accept     = 6" >&2
+fi
+"""
+
+
+def executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    executable(folder / "llama-lookup", FAKE_LOOKUP)
+    executable(folder / "llama-quantize", '#!/usr/bin/env bash\ncp "$2" "$3"\n')
+    monkeypatch.setattr(bench, "cache_root", lambda: tmp_path / "cache")
+    return folder
+
+
+def test_best_of_takes_the_fastest_run_of_each_phase():
+    runs = [bench.Run(10, 5, 2.0, 1.5, True), bench.Run(10, 5, 2.5, 1.0, True)]
+    best = bench.best_of(runs)
+    assert (best.seconds, best.decode_seconds, best.same_as_vanilla) == (2.0, 1.0, True)
+    assert bench.best_of([runs[0], bench.Run(10, 5, 1.0, None)]).decode_seconds is None
+
+
+def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tmp_path, monkeypatch, default_model):
+    monkeypatch.setattr(bench_data, "prompts", lambda category, count, held_out=False: ["Say hi."])
+    out = tmp_path / "r.json"
+    bench.main(["--methods", "anpd", "auto", "--categories", "chat", "--new-tokens", "6", "--runs", "2",
+                "--skip-transformers", "--llama-cpp", str(fake_llama_cpp), "--out", str(out)])
+    table = json.loads(out.read_text())["tables"][0]
+    rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert list(rows) == ["vanilla", "anpd", "auto", "llama.cpp vanilla", "llama.cpp lookup"]
+    assert all(rows[m]["same_as_vanilla"] == "1/1" for m in ["anpd", "auto"])
+    assert rows["vanilla"]["decode_tokens_per_second"] > rows["vanilla"]["tokens_per_second"] * 0.5
+    # llama.cpp: 10 tokens after the first in 1.0 s plainly, in 0.4 s with lookup; 11 tokens in 5 passes
+    assert rows["llama.cpp vanilla"]["decode_tokens_per_second"] == pytest.approx(10.0)
+    assert rows["llama.cpp lookup"]["decode_speedup"] == pytest.approx(2.5)
+    assert rows["llama.cpp lookup"]["tau"] == pytest.approx(11 / 5)
+    assert rows["llama.cpp lookup"]["same_as_vanilla"] == "0/1"  # it printed "ANSWER", not vanilla's text
+
+
+def test_a_folder_without_llama_cpp_is_one_error(tmp_path):
+    with pytest.raises(UserError, match="no llama-lookup, llama-quantize"):
+        bench.LlamaCppPeer(tmp_path, 2)
