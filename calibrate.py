@@ -31,12 +31,14 @@ import torch
 from artifacts import model_fingerprint, written_atomically
 from convert import cache_root
 from cost_aware import Latency
-from decode import generate
+from decode import generate, score_tree
 from errors import TooFewRows
 from kv_cache import KVCache
+from tree import Tree
+from verify import verify_greedy
 
 ROWS = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
-LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # where machine_latency measures L(n)
+LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # where machine_latency measures L(n) (then extrapolates)
 CACHED = 256
 PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary, arithmetic
     "What are three good habits for staying healthy while working from home?",
@@ -50,21 +52,41 @@ NEW_TOKENS = 64
 
 def forward_latency(model, rows: int, cached: int = CACHED, reps: int = 5) -> float:
     """Seconds for one forward pass over `rows` new inputs after `cached` tokens, logits included."""
-    cache = KVCache.for_model(model, capacity=cached + rows)
-    vocab = model.config.vocab_size
-    with torch.inference_mode():
-        model(torch.randint(0, vocab, (1, cached), device=model.device),
-              positions=torch.arange(cached, device=model.device), cache=cache)
-        new = torch.randint(0, vocab, (1, rows), device=model.device)
-        positions = torch.arange(cached, cached + rows, device=model.device)
+    return step_latency(model, prefilled_cache(model, cached, rows), rows, reps)
 
-        def step():
-            started = time.perf_counter()
+
+def prefilled_cache(model, cached: int, room: int) -> KVCache:
+    """A KV cache holding `cached` random tokens, with room for `room` more."""
+    cache = KVCache.for_model(model, capacity=cached + room)
+    with torch.inference_mode():
+        model(torch.randint(0, model.config.vocab_size, (1, cached), device=model.device),
+              positions=torch.arange(cached, device=model.device), cache=cache)
+    return cache
+
+
+def step_latency(model, cache: KVCache, rows: int, reps: int, whole_step: bool = False) -> float:
+    """The median seconds of `reps` passes over `rows` new inputs after what `cache` holds (left as it
+    was). `whole_step`: a pass of decode.generate's loop, not only the model's: a chain of `rows`
+    guesses, its mask and positions, the forward pass and logits, greedy verification, and keeping
+    the accepted path's K/V (what cost-aware drafting pays per pass)."""
+    cached = cache.length
+    tokens = torch.randint(0, model.config.vocab_size, (rows,)).tolist()
+    tree = Tree.chain(tokens[0], tokens[1:])
+    new = torch.tensor([tokens], device=model.device)
+    positions = torch.arange(cached, cached + rows, device=model.device)
+
+    def step():
+        started = time.perf_counter()
+        if whole_step:
+            logits = model.logits(score_tree(model, cache, tree))
+            cache.keep(cached, verify_greedy(tree, logits).path)
+        else:
             model(new, positions=positions, cache=cache)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            cache.truncate(cached)
-            return time.perf_counter() - started
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        cache.truncate(cached)
+        return time.perf_counter() - started
+    with torch.inference_mode():
         step()  # warm-up: the first pass at a new size allocates and picks kernels
         return statistics.median(step() for _ in range(reps))
 
@@ -135,15 +157,17 @@ def latency_file():
 
 
 def machine_latency(model) -> Latency:
-    """L(n) on this machine, device, dtype and model, for cost-aware drafting: as measured by an
-    earlier run, else measured now (one round, progress on stderr) and saved."""
+    """L(n) on this machine, device, dtype and model, for cost-aware drafting (a whole pass of the
+    loop, step_latency): as measured by an earlier run, else measured now (progress on stderr) and
+    saved."""
     key, saved = machine_key(model), read_saved(latency_file())
     try:
         return Latency({int(n): ms / 1000 for n, ms in saved[key].items()})
     except (KeyError, TypeError, ValueError, AttributeError):
         pass  # never measured here, or a damaged entry: measure again
-    print("cost-aware drafting: measuring this machine's forward-pass latency L(n) once", file=sys.stderr)
-    latency = Latency(latencies(model, LATENCY_SIZES, rounds=1))
+    print("cost-aware drafting: measuring this machine's forward-pass latency L(n), once (some seconds)",
+          file=sys.stderr)
+    latency = Latency(latencies(model, LATENCY_SIZES, reps=3, whole_step=True))
     saved[key] = {n: round(seconds * 1000, 3) for n, seconds in latency.as_dict().items()}
     write_saved(latency_file(), saved)
     return latency
@@ -182,13 +206,14 @@ def measured_tau(model, tokenizer, drafter, raw: bool = False) -> float:
     return tokens / max(passes, 1)
 
 
-def latencies(model, sizes: list[int], rounds: int = 3) -> dict[int, float]:
+def latencies(model, sizes: list[int], rounds: int = 3, reps: int = 5, whole_step: bool = False) -> dict[int, float]:
     """L(n) for each size: the median over `rounds` interleaved rounds (so a burst of load on a shared
-    machine hits every size alike) of forward_latency's median."""
+    machine hits every size alike) of step_latency's median of `reps`."""
     runs = {n: [] for n in sizes}
+    cache = prefilled_cache(model, CACHED, max(sizes))
     for round_number in range(rounds):
         for n in sizes:
-            runs[n].append(forward_latency(model, n))
+            runs[n].append(step_latency(model, cache, n, reps, whole_step))
         print(f"\rmeasuring L(n): round {round_number + 1}/{rounds}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     return {n: statistics.median(r) for n, r in runs.items()}

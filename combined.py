@@ -14,7 +14,8 @@ Sources, each a drafter of its own (drafters.py, ppd.py):
 Each source proposes its own tree; their root-to-leaf branches are merged into one tree by shared
 prefix (tree.Tree.from_branches), so a guess that two sources agree on is one node carrying both
 sources' evidence. Cost-aware drafting (cost_aware.py) then keeps, each step, the part of it that pays,
-ranking every node by the same calibrated acceptance estimates under the same L(n). Verification is
+ranking every node by the same calibrated acceptance estimates under the same L(n), and the soft
+tokens when their expected guesses for the next pass pay for their inputs in this one. Verification is
 the same as for every method: the tree rule of verify.py treats any mix of deterministic guesses, so
 greedy output is vanilla's and sampling stays exact.
 """
@@ -48,6 +49,7 @@ class SoftTokensOnRoot(Drafter):
     def __init__(self, ppd: PPDDrafter):
         self.ppd = ppd
         self.max_draft_tokens = max(len(state.spec) for state in ppd.dynamic_tree.states.values())
+        self.gain = ppd.predicted_tokens_per_pass - 1  # accepted guesses per pass (held-out accuracies)
 
     def begin(self, request):
         self.ppd.begin(request)
@@ -76,6 +78,10 @@ class SoftTokensOnRoot(Drafter):
         carried = Tree(tree.tokens, tree.parents, soft_counts=[soft.count] + [0] * tree.draft_size,
                        ensembles=soft.ensembles, evidence=tree.evidence)
         return self.ppd.with_soft_inputs(carried)
+
+    @staticmethod
+    def without_soft_tokens(tree: Tree) -> Tree:
+        return Tree(tree.tokens, tree.parents, evidence=tree.evidence)
 
 
 class CombinedDrafter(Drafter):

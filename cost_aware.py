@@ -31,10 +31,12 @@ the papers do.
 """
 
 import bisect
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from drafters import Drafter
+from combined import CombinedDrafter, SoftTokensOnRoot
+from drafters import Drafter, DraftModelDrafter
 from tree import Tree
 
 Key = tuple  # what a guess's outcome is filed under
@@ -42,14 +44,20 @@ Key = tuple  # what a guess's outcome is filed under
 
 class Latency:
     """L(n): seconds for one forward pass over n inputs, interpolated linearly between measured sizes
-    (and extended along the last segment), never decreasing in n."""
+    (and extended along the last segment), never decreasing in n: where a noisy measurement falls
+    below a smaller size's, the two are pooled into their mean (isotonic regression)."""
 
     def __init__(self, seconds: dict[int, float]):
         if not seconds or min(seconds) < 1 or min(seconds.values()) <= 0:
             raise ValueError("L(n) needs positive seconds for sizes n >= 1")
         self.sizes = sorted(seconds)
-        running = 0.0
-        self.seconds = [running := max(running, seconds[n]) for n in self.sizes]
+        pools = []  # [mean, count] of runs of sizes, means increasing (pool adjacent violators)
+        for n in self.sizes:
+            pools.append([seconds[n], 1])
+            while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+                (high, k), (low, j) = pools[-2], pools.pop()
+                pools[-1] = [(high * k + low * j) / (k + j), k + j]
+        self.seconds = [mean for mean, count in pools for _ in range(count)]
 
     @classmethod
     def flat(cls) -> "Latency":
@@ -73,7 +81,7 @@ class AcceptanceEstimates:
     prior is the source's own estimate, worth PRIOR_WEIGHT observations, updated with every judged
     guess of the generation."""
 
-    PRIOR_WEIGHT = 4.0
+    PRIOR_WEIGHT = 10.0
 
     def __init__(self):
         self.accepted: Counter = Counter()
@@ -133,9 +141,26 @@ def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]
     return tree.subtree([0] + sorted(order[:best_k]))
 
 
+def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], float], most: int) -> int:
+    """The gamma in 0..most of the largest expected tokens per second when every guess is accepted
+    with probability alpha and a draft step costs step_cost L(1): Leviathan et al. 2023's optimal
+    gamma (section 3.3, equation 1 over their cost model), with the verifying pass's measured
+    L(gamma + 1) in place of one step. Before drafting, only alpha is known: it is estimated from this
+    generation's verdicts of the draft's guesses."""
+    def rate(gamma):
+        expected = sum(alpha ** i for i in range(gamma + 1))  # (1 - alpha^(gamma+1)) / (1 - alpha)
+        return expected / (latency(gamma + 1) + gamma * step_cost * latency(1))
+    return max(range(most + 1), key=lambda gamma: (rate(gamma), -gamma))
+
+
 class CostAware(Drafter):
     """Any drafter's trees, cut each step to what pays on this machine (best_subtree), with the
-    acceptance estimates learned from this generation's verdicts."""
+    acceptance estimates learned from this generation's verdicts. A draft model, whose every guess
+    costs a draft step, first drafts only as many as pay (best_draft_length)."""
+
+    # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
+    # one): estimates made low by a few early misses would otherwise never be corrected
+    PROBE_EVERY = 16
 
     def __init__(self, drafter: Drafter, latency: Latency):
         self.drafter, self.latency = drafter, latency
@@ -143,13 +168,62 @@ class CostAware(Drafter):
 
     def begin(self, request):
         self.estimates = AcceptanceEstimates()
+        self.idle = 0  # passes in a row whose guesses were all cut
+        self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
         self.drafter.begin(request)
 
+    def pass_cost(self, inputs: int) -> float:
+        """Seconds of a pass over `inputs` inputs: L(n), and the drafter's mean time per pass so far
+        (Medusa's heads, say, cost a few milliseconds whatever the tree)."""
+        return self.latency(inputs) + self.drafter_seconds / max(self.passes, 1)
+
+    def timed(self, work):
+        started = time.perf_counter()
+        result = work()
+        self.drafter_seconds += time.perf_counter() - started
+        return result
+
     def propose(self):
-        candidates = self.drafter.propose()
+        if isinstance(self.drafter, DraftModelDrafter):
+            self.plan_draft(self.drafter)
+        self.passes += 1
+        candidates = self.timed(self.drafter.propose)
         p = [1.0] + [self.estimates.of_node(e) for e in candidates.evidence[1:]]
         cut = best_subtree if candidates.draft_probs is None else best_chain_prefix
-        return cut(candidates, p, self.latency)
+        tree = cut(candidates, p, self.pass_cost)
+        if len(tree) > 1:
+            self.idle = 0
+        elif len(candidates) > 1:
+            self.idle += 1
+        if self.idle > self.PROBE_EVERY:
+            tree, self.idle = candidates, 0
+        if isinstance(self.drafter, CombinedDrafter) and self.drafter.soft:
+            tree = self.soft_tokens_if_they_pay(tree, self.drafter.soft)
+        return tree
+
+    def soft_tokens_if_they_pay(self, tree: Tree, soft: SoftTokensOnRoot) -> Tree:
+        """The combined drafter's soft tokens ride on the root for the next pass's sake: their guesses
+        are used when this pass accepts no guess (probability P0 = 1 - the sum of p over the root's
+        children, which are different tokens), and then bring PPD's expected accepted guesses per pass,
+        G. They stay when (E + P0 G) / L(inputs) beats E / L(inputs without them)."""
+        p = [1.0] + [self.estimates.of_node(e) for e in tree.evidence[1:]]
+        expected = sum(reach(tree, p))
+        ends_at_root = max(0.0, 1.0 - sum(p[child] for child in tree.children[0]))
+        inputs = len(tree) + sum(tree.soft_counts) * tree.ensembles
+        if (expected + ends_at_root * soft.gain) / self.pass_cost(inputs) > expected / self.pass_cost(len(tree)):
+            return tree
+        return soft.without_soft_tokens(tree)
+
+    def plan_draft(self, drafter: DraftModelDrafter) -> None:
+        """Set how many tokens the draft model drafts now, from the draft's acceptance rate so far
+        (all its guesses pooled; prior 1/2, worth PRIOR_WEIGHT guesses)."""
+        accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
+        alpha = (accepted + AcceptanceEstimates.PRIOR_WEIGHT / 2) / (judged + AcceptanceEstimates.PRIOR_WEIGHT)
+        gamma = best_draft_length(alpha, drafter.step_cost, self.latency, drafter.gamma)
+        self.idle = self.idle + 1 if gamma == 0 else 0
+        if self.idle > self.PROBE_EVERY:
+            gamma = 1  # (propose resets the count when the guess is sent)
+        drafter.gamma_now = gamma
 
     def verified(self, tree, verdict):
         for node, outcome in enumerate(verdict.outcomes(tree)):
@@ -159,10 +233,10 @@ class CostAware(Drafter):
         self.drafter.verified(tree, verdict)
 
     def extend(self, tokens):
-        self.drafter.extend(tokens)
+        self.timed(lambda: self.drafter.extend(tokens))
 
     def observe(self, hidden, soft_logits):
-        self.drafter.observe(hidden, soft_logits)
+        self.timed(lambda: self.drafter.observe(hidden, soft_logits))
 
     def prompt_tree(self, prompt_ids):
         return self.drafter.prompt_tree(prompt_ids)

@@ -192,10 +192,12 @@ class DraftModelDrafter(Drafter):
     DEFAULT_GAMMA = 4  # Chen et al. 2023 draft K = 4 tokens per step (Leviathan et al. try 3-10)
     MAX_GAMMA = 64
 
-    def __init__(self, model, gamma: int = DEFAULT_GAMMA):
+    def __init__(self, model, gamma: int = DEFAULT_GAMMA, step_cost: float = 0.0):
         if not 1 <= gamma <= self.MAX_GAMMA:
             raise UserError(f"gamma (draft tokens per step) must be in 1..{self.MAX_GAMMA}, got {gamma}")
         self.model, self.gamma = model, gamma
+        self.step_cost = step_cost  # a draft step's cost over a pass of the target over one token (c)
+        self.gamma_now = gamma  # tokens to draft at the next proposal (cost-aware drafting lowers it)
         self.max_draft_tokens = gamma
 
     def begin(self, request):
@@ -217,9 +219,11 @@ class DraftModelDrafter(Drafter):
         super().extend(tokens)
 
     def propose(self):
+        if self.gamma_now == 0:
+            return Tree.chain(self.history[-1], [])
         unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
         guesses, guess_probs, evidence = [], [], []
-        for _ in range(self.gamma):
+        for _ in range(self.gamma_now):
             logits = self.model.logits_after(unread, self.cache)
             token, q = choose_token_and_probs(logits, self.sampling, self.generator)  # q: None if greedy
             guesses.append(token)

@@ -84,6 +84,16 @@ def load_draft(options, model, tokenizer):
     return draft
 
 
+def draft_model_drafter(options, model, tokenizer) -> DraftModelDrafter:
+    """--method speculative's drafter; a draft step's cost over the model's is estimated by the
+    multiply-adds per token of their layers and LM heads (embedding lookups are free)."""
+    draft = load_draft(options, model, tokenizer)
+
+    def multiply_adds(m):
+        return sum(p.numel() for p in m.layers.parameters()) + m.lm_head.weight.numel()
+    return DraftModelDrafter(draft, options.gamma, step_cost=multiply_adds(draft) / multiply_adds(model))
+
+
 def auto_drafter(options, model, tokenizer, latency: Latency):
     """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, PPD's soft
     tokens (combined.py)."""
@@ -112,8 +122,7 @@ METHODS = {m.name: m for m in [
     Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
            "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
            ("draft_model", "draft_layers", "gamma", "fixed_size"),
-           drafter=lambda options, model, tokenizer, rows: DraftModelDrafter(
-               load_draft(options, model, tokenizer), options.gamma)),
+           drafter=lambda options, model, tokenizer, rows: draft_model_drafter(options, model, tokenizer)),
     Method("medusa", "trained Medusa heads guess the next tokens from the model's last hidden state; their "
            "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,

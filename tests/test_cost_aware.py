@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import AcceptanceEstimates, CostAware, Latency, best_subtree, reach
+from cost_aware import AcceptanceEstimates, CostAware, Latency, best_draft_length, best_subtree, reach
 from decode import generate
-from drafters import Drafter, NGramDrafter, TrieDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
 from tree import Tree
 from verify import verify_greedy
@@ -44,6 +44,14 @@ def path_nodes(tree, node):
 def rate(tree: Tree, p, keep, latency) -> float:
     reached = reach(tree, p)
     return (1 + sum(reached[n] for n in keep if n)) / latency(len(keep))
+
+
+@given(st.dictionaries(st.integers(1, 64), st.floats(0.01, 10.0), min_size=1, max_size=8))
+def test_latency_never_decreases_and_keeps_the_mean(seconds):
+    latency = Latency(seconds)
+    values = [latency(n) for n in range(1, 70)]
+    assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))
+    assert sum(latency.seconds) == pytest.approx(sum(seconds.values()))  # pooling moves, never adds
 
 
 @given(trees_and_estimates(), latencies)
@@ -79,13 +87,31 @@ def test_the_chosen_tree_is_the_best_of_all_subtrees(case, latency):
     assert rate(tree, p, kept, latency) >= best - 1e-12
 
 
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), latencies, st.integers(1, 16))
+def test_the_draft_length_drafts_nothing_that_cannot_pass_and_everything_that_is_free(alpha, step_cost, latency, most):
+    assert 0 <= best_draft_length(alpha, step_cost, latency, most) <= most
+    assert best_draft_length(0.0, step_cost, latency, most) == 0
+    if alpha > 0.01:
+        assert best_draft_length(alpha, 0.0, Latency.flat(), most) == most
+
+
+def test_the_draft_length_follows_leviathans_optimum():
+    """With L(n) flat (their cost model: verifying costs one step), the best gamma is the argmax of
+    their (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)): 8 for alpha = 0.8 and c = 0.05 (worked out
+    by hand), fewer for a dearer draft, none when a draft step costs more than its guesses bring."""
+    flat = Latency.flat()
+    assert best_draft_length(0.8, 0.05, flat, 64) == 8
+    assert best_draft_length(0.8, 0.2, flat, 64) < 8
+    assert best_draft_length(0.5, 0.6, flat, 64) == 0
+
+
 def test_latency_interpolates_and_never_decreases():
     latency = Latency({1: 1.0, 4: 2.5, 8: 2.0, 16: 4.0})
     assert latency(1) == latency(0) == 1.0
-    assert latency(2) == pytest.approx(1.5)
-    assert latency(8) == 2.5  # a noisy measurement below a smaller size is lifted to it
-    assert latency(12) == pytest.approx(3.25)
-    assert latency(32) == pytest.approx(7.0)  # along the last segment
+    assert latency(4) == latency(8) == pytest.approx(2.25)  # a noisy dip is pooled with its neighbour
+    assert latency(2) == pytest.approx(1 + 1.25 / 3)
+    assert latency(12) == pytest.approx(3.125)
+    assert latency(32) == pytest.approx(2.25 + 1.75 * 3)  # along the last segment
     with pytest.raises(ValueError):
         Latency({1: 0.0})
 
@@ -144,5 +170,6 @@ def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
 @given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24), latencies)
 def test_cost_aware_drafters_decode_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
     model = tiny_model(seed)
-    for drafter in [NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)]:
+    for drafter in [NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3),
+                    DraftModelDrafter(model.first_layers(1), gamma=3, step_cost=0.1)]:
         assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(drafter, latency))
