@@ -4,8 +4,9 @@ second, so that a step guesses only what pays, and nothing when nothing does.
 A pass over n inputs yields 1 + (accepted guesses) tokens and costs L(n). PPD chooses its tree size
 once per machine by tau(n) / L(n) (Chen et al. 2024, section 4.2, "Hardware-awareness"; calibrate.py).
 This chooses per step, from what the drafter knows now, as dynamic draft trees do (EAGLE-2, Li et al.
-2024, section 4: rank the nodes by their estimated chance of acceptance and keep the best; SpecDec++,
-Huang et al. 2024, section 3: stop guessing where the expected gain no longer covers the cost):
+2024: rank a draft tree's nodes by their estimated chance of acceptance, the product of confidences
+along the path, and keep the best; SpecDec++, Huang et al. 2024: stop drafting where the expected
+gain no longer covers the cost):
 
     p(node)      = P(node accepted | its parent accepted)    # AcceptanceEstimates, calibrated online
     reach(node)  = product of p along its path from the root # PPD proposition 4.1
@@ -28,18 +29,35 @@ chance. After every pass, each judged guess (its parent accepted) counts as a su
 for its key, so the estimates follow what verification accepts in this generation. The method's own
 tree (its size option) is the candidate set and the upper bound: `--fixed-size` sends it whole, as
 the papers do.
+
+What a pass costs: L(n), a whole pass of the loop over n inputs on this machine (measured once,
+calibrate.machine_latency), plus the drafter's own mean time per pass (Medusa's heads, retrieval).
+A draft model pays a draft step per guess before anything can be cut, so it first drafts only as
+many as pay (best_draft_length). The combined drafter's soft tokens are sent when their guesses for
+the next pass pay (CostAware.soft_tokens_if_they_pay). And after PROBE_EVERY passes in a row whose
+guesses were all cut, one pass sends them whole, so that estimates made low by a few early misses
+can recover.
 """
 
 import bisect
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from combined import CombinedDrafter, SoftTokensOnRoot
 from drafters import Drafter, DraftModelDrafter
 from tree import Tree
 
 Key = tuple  # what a guess's outcome is filed under
+
+
+@dataclass
+class Cut:
+    """What one proposal offered and what was sent (visualize.py cost draws a generation of them)."""
+    candidates: int  # guesses the drafter offered
+    sent: int  # guesses kept
+    expected: float  # the accepted guesses the estimates expected of those kept
 
 
 class Latency:
@@ -143,9 +161,9 @@ def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]
 
 def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], float], most: int) -> int:
     """The gamma in 0..most of the largest expected tokens per second when every guess is accepted
-    with probability alpha and a draft step costs step_cost L(1): Leviathan et al. 2023's optimal
-    gamma (section 3.3, equation 1 over their cost model), with the verifying pass's measured
-    L(gamma + 1) in place of one step. Before drafting, only alpha is known: it is estimated from this
+    with probability alpha and a draft step costs step_cost L(1): the gamma that maximises Leviathan
+    et al. 2023's expected walltime improvement (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)),
+    with the verifying pass's measured L(gamma + 1) in place of their one step. Before drafting, only alpha is known: it is estimated from this
     generation's verdicts of the draft's guesses."""
     def rate(gamma):
         expected = sum(alpha ** i for i in range(gamma + 1))  # (1 - alpha^(gamma+1)) / (1 - alpha)
@@ -188,7 +206,7 @@ class CostAware(Drafter):
             self.plan_draft(self.drafter)
         self.passes += 1
         candidates = self.timed(self.drafter.propose)
-        p = [1.0] + [self.estimates.of_node(e) for e in candidates.evidence[1:]]
+        p = self.estimates_of(candidates)
         cut = best_subtree if candidates.draft_probs is None else best_chain_prefix
         tree = cut(candidates, p, self.pass_cost)
         if len(tree) > 1:
@@ -199,14 +217,27 @@ class CostAware(Drafter):
             tree, self.idle = candidates, 0
         if isinstance(self.drafter, CombinedDrafter) and self.drafter.soft:
             tree = self.soft_tokens_if_they_pay(tree, self.drafter.soft)
+        self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.estimates_of(tree))) - 1)
         return tree
+
+    def estimates_of(self, tree: Tree) -> list[float]:
+        """p per node: the root's 1, then each guess's acceptance estimate, scaled down where a node's
+        children's estimates add up to more than 1: they are different tokens, and the model takes at
+        most one of them (greedily; two sources guessing differently cannot both be right)."""
+        p = [1.0] + [self.estimates.of_node(e) for e in tree.evidence[1:]]
+        for children in tree.children:
+            total = sum(p[child] for child in children)
+            if total > 1:
+                for child in children:
+                    p[child] /= total
+        return p
 
     def soft_tokens_if_they_pay(self, tree: Tree, soft: SoftTokensOnRoot) -> Tree:
         """The combined drafter's soft tokens ride on the root for the next pass's sake: their guesses
         are used when this pass accepts no guess (probability P0 = 1 - the sum of p over the root's
         children, which are different tokens), and then bring PPD's expected accepted guesses per pass,
         G. They stay when (E + P0 G) / L(inputs) beats E / L(inputs without them)."""
-        p = [1.0] + [self.estimates.of_node(e) for e in tree.evidence[1:]]
+        p = self.estimates_of(tree)
         expected = sum(reach(tree, p))
         ends_at_root = max(0.0, 1.0 - sum(p[child] for child in tree.children[0]))
         inputs = len(tree) + sum(tree.soft_counts) * tree.ensembles

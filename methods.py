@@ -55,7 +55,7 @@ class Method:
     size: Size | None = None
     trained: bool = False  # its trained parts are an artifact: trained/<name>-<model folder>
     guesses: bool = True  # its passes verify guesses (so --acceptance means something)
-    drafter: Callable | None = None  # (options, model, tokenizer, rows) -> Drafter
+    drafter: Callable | None = None  # (options, model, tokenizer, rows, latency: () -> L(n)) -> Drafter
     engine: Callable | None = None  # (options, model, tokenizer) -> an engine with .generate (apar.py)
 
 
@@ -109,29 +109,29 @@ def auto_drafter(options, model, tokenizer, latency: Latency):
 
 METHODS = {m.name: m for m in [
     Method("vanilla", "plain autoregressive decoding, one forward pass per token", "", guesses=False,
-           drafter=lambda options, model, tokenizer, rows: Drafter()),
+           drafter=lambda options, model, tokenizer, rows, latency: Drafter()),
     Method("anpd", "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
            "Ou et al. 2024", ("ngram_n", "ngram_k", "fixed_size"), Size("ngram_k", NGramDrafter.DEFAULT_K, 1),
-           drafter=lambda options, model, tokenizer, rows: NGramDrafter(n=options.ngram_n, k=rows - 1)),
+           drafter=lambda options, model, tokenizer, rows, latency: NGramDrafter(n=options.ngram_n, k=rows - 1)),
     Method("lookahead", "trie-based retrieval of several guessed branches from prompts and earlier output "
            "(Zhao et al.'s Lookahead, not Fu et al.'s Jacobi 'lookahead decoding')",
            "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode", "fixed_size"),
            Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1),
-           drafter=lambda options, model, tokenizer, rows: TrieDrafter(
+           drafter=lambda options, model, tokenizer, rows, latency: TrieDrafter(
                rows - 1, options.branch_length, hierarchical=options.lookahead_mode == "hierarchical")),
     Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
            "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
            ("draft_model", "draft_layers", "gamma", "fixed_size"),
-           drafter=lambda options, model, tokenizer, rows: draft_model_drafter(options, model, tokenizer)),
+           drafter=lambda options, model, tokenizer, rows, latency: draft_model_drafter(options, model, tokenizer)),
     Method("medusa", "trained Medusa heads guess the next tokens from the model's last hidden state; their "
            "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
-           drafter=lambda options, model, tokenizer, rows: medusa.load_drafter(
+           drafter=lambda options, model, tokenizer, rows, latency: medusa.load_drafter(
                model, trained_path("medusa", options), rows)),
     Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
            "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
-           drafter=lambda options, model, tokenizer, rows: ppd.load_drafter(
+           drafter=lambda options, model, tokenizer, rows, latency: ppd.load_drafter(
                model, trained_path("ppd", options), rows, options.static_tree)),
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
@@ -142,8 +142,7 @@ METHODS = {m.name: m for m in [
            "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
            "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
            ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"),
-           drafter=lambda options, model, tokenizer, rows: auto_drafter(options, model, tokenizer,
-                                                                        machine_latency(model))),
+           drafter=lambda options, model, tokenizer, rows, latency: auto_drafter(options, model, tokenizer, latency())),
 ]}
 
 
@@ -232,7 +231,9 @@ def build_drafter(method: Method, options, model, tokenizer, rows: int | None = 
     cost-aware unless --fixed-size (L(n): `latency`, default this machine's, calibrate.machine_latency)."""
     if method.drafter is None:
         raise ValueError(f"{method.name} is an engine, not a drafter")
-    drafter = method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model))
+    def this_machines():  # measured only when needed (once per machine: calibrate.machine_latency)
+        return latency or machine_latency(model)
+    drafter = method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model), this_machines)
     if not method.guesses or options.fixed_size:
         return drafter
-    return CostAware(drafter, latency or machine_latency(model))
+    return CostAware(drafter, this_machines())

@@ -2,6 +2,7 @@
 
     python visualize.py step --method ppd --prompt "Explain what a hash table is."
     python visualize.py answer --methods anpd lookahead --prompt "Summarize in two sentences: ..."
+    python visualize.py cost --method auto --prompt "Summarize in two sentences: ..."
     python visualize.py bench bench-methods.json     # the charts of a bench.py run (also bench.py --plot)
     python visualize.py calibration                  # tau(n) / L(n) as decode.py --calibrate measured it
 
@@ -16,6 +17,9 @@
 `answer` decodes the prompt with each method (and vanilla) and draws each answer's tokens coloured by
 who chose them: an accepted guess (green) or the model itself (the bonus token of a pass, or vanilla),
 with a bar under the tokens of each pass.
+`cost` decodes the prompt with a method's cost-aware drafter (cost_aware.py) and draws, per pass, the
+guesses it was offered, those it sent and those accepted, next to how many it expected to be accepted,
+and below, how its acceptance estimates for the most frequent kinds of guess moved as the answer went.
 `bench` and `calibration` draw measurements: speedup per method and category with tau on the bars,
 L(T)/L(1) against T, tau(n) and tau(n) L(1)/L(n) with the chosen size marked; each is labelled with the
 machine it was measured on.
@@ -41,10 +45,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from artifacts import written_atomically  # noqa: E402
 from calibrate import calibration_file  # noqa: E402
 from cli import Prompt, add_method_options, add_model_options, checked, load, prompt_ids, refuse_idle_options  # noqa: E402
+from cost_aware import CostAware  # noqa: E402
 from decode import Generation, Pass, generate  # noqa: E402
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program  # noqa: E402
 from methods import METHODS, build_drafter  # noqa: E402
@@ -260,6 +266,28 @@ def pass_spans(from_draft: list[bool]) -> list[tuple[int, int]]:
     return spans
 
 
+def draw_cost(args) -> list[Path]:
+    model, tokenizer, ids = loaded(args, [args.method])
+    drafter = build_drafter(METHODS[args.method], args, model, tokenizer)
+    if not isinstance(drafter, CostAware):
+        raise UserError("--fixed-size sends the whole tree every pass: there is no cut to draw; leave it out")
+    cuts, accepted, estimates, priors = [], [], [], {}
+
+    def watch(step: Pass):
+        cuts.append(drafter.last_cut)
+        accepted.append(step.verdict.accepted_guesses)
+        priors.update({key: prior for evidence in step.tree.evidence for key, prior in evidence})
+        estimates.append({key: (drafter.estimates.probability(key, prior), drafter.estimates.judged[key])
+                          for key, prior in priors.items()})
+    with torch.inference_mode():
+        gen = generate(model, ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids, drafter=drafter,
+                       on_pass=watch)
+    title = (f"{args.method}, cost-aware: {len(gen.token_ids)} tokens in {gen.forward_passes} forward passes, "
+             f"{sum(accepted)} accepted guesses of {sum(c.sent for c in cuts)} sent "
+             f"({sum(c.candidates for c in cuts)} offered)\nprompt: {visible(short(args.prompt))}")
+    return save(cost_figure(cuts, accepted, estimates, title), args.out, f"cost-{args.method}", args.formats)
+
+
 def answer_figure(answers: dict[str, Generation], text_of, title: str, columns: int = 84):
     """Each method's answer, token by token: accepted guesses green, the model's own choices plain, a
     bar under each pass's tokens."""
@@ -306,12 +334,48 @@ def answer_figure(answers: dict[str, Generation], text_of, title: str, columns: 
     return fig
 
 
+def cost_figure(cuts: list, accepted: list[int], estimates: list[dict], title: str, keys_shown: int = 5):
+    """Per pass: guesses offered (outline), sent (red) and accepted (green, over the red), and the
+    accepted guesses expected of those sent (dots); below, the estimate of the `keys_shown` most
+    judged kinds of guess before each pass."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(13, 6.4), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    passes = range(1, len(cuts) + 1)
+    for i, cut, hits in zip(passes, cuts, accepted):
+        top.bar(i, cut.candidates, 0.8, fc="none", ec=COLOURS["unreached"], gid=f"pass-{i}-offered")
+        top.bar(i, cut.sent, 0.8, color=FILLS["rejected"], ec=COLOURS["rejected"], lw=0.5, gid=f"pass-{i}-sent")
+        top.bar(i, hits, 0.8, color=COLOURS["accepted"], gid=f"pass-{i}-accepted")
+    top.plot(list(passes), [cut.expected for cut in cuts], "k.", ms=4, label="expected accepted (of those sent)")
+    top.legend(handles=[Patch(fc="none", ec=COLOURS["unreached"], label="offered by the drafter"),
+                        Patch(fc=FILLS["rejected"], ec=COLOURS["rejected"], label="sent"),
+                        Patch(fc=COLOURS["accepted"], label="accepted"), *top.get_legend_handles_labels()[0]],
+               fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    top.set_ylabel("guesses")
+    top.xaxis.set_major_locator(MaxNLocator(integer=True))
+    judged = {}
+    for seen in estimates:
+        judged.update({key: n for key, (_, n) in seen.items()})
+    for key in sorted(judged, key=lambda k: -judged[k])[:keys_shown]:
+        bottom.plot(list(passes), [seen[key][0] if key in seen else None for seen in estimates], lw=1.5,
+                    label=" ".join(map(str, key)) + f" ({judged[key]} judged)", gid="estimate-" + "-".join(map(str, key)))
+    bottom.set_ylim(0, 1)
+    bottom.set_ylabel("P(accepted | parent accepted)")
+    bottom.set_xlabel("forward pass (after the prefill)")
+    bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+                  title="estimate per kind of guess\n(source, evidence)", title_fontsize=8, alignment="left")
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
 # ---- measurements: bench.py results and calibrations ----------------------------------------------------
 
 def speedup_figure(tables: list[dict], machine: str):
-    """Speedup over vanilla per category (x) and method (bars), tau written on each bar."""
+    """Speedup over vanilla per category (x) and method (bars), tau written on each bar: in the decode
+    phase where the run measured it (the prefill left out), else over the whole generation. A peer's
+    own vanilla (llama.cpp's) is its baseline, not a bar."""
     categories = [t["category"] for t in tables]
-    methods = [row[0] for row in tables[0]["rows"] if row[0] != "vanilla"]
+    methods = [row[0] for row in tables[0]["rows"] if not row[0].endswith("vanilla")]
+    measure = "decode_speedup" if "decode_speedup" in tables[0]["columns"] else "speedup"
     fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 0.5 * len(methods) * len(categories)), 4.8))
     width = 0.8 / max(len(methods), 1)
     colours = plt.get_cmap("tab10")
@@ -322,19 +386,21 @@ def speedup_figure(tables: list[dict], machine: str):
                 continue
             values = dict(zip(t["columns"], row))
             x = c - 0.4 + width * (m + 0.5)
-            ax.bar(x, values["speedup"], width, color=colours(m), label=method if c == 0 else None,
+            ax.bar(x, values[measure] or 0.0, width, color=colours(m), label=method if c == 0 else None,
                    gid=f"bar-{method}-{t['category']}")
             ax.text(x, 0.03, f"τ {values['tau']:.2f}", ha="center", va="bottom", fontsize=8, rotation=90,
                     color="white", fontweight="bold")  # inside the bar, clear of the vanilla line
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.text(-0.48, 1.01, "vanilla", va="bottom", ha="left", fontsize=8)
     ax.set_xticks(range(len(categories)), categories)
-    ax.set_ylabel("speedup over vanilla (tokens/s, same run)")
+    ax.set_ylabel("speedup over vanilla, decode phase (same run)" if measure == "decode_speedup"
+                  else "speedup over vanilla (tokens/s, same run)")
     ax.set_ylim(0, max(ax.get_ylim()[1], 1.2) * 1.12)
     ax.legend(fontsize=8, ncol=min(len(methods), 4), loc="upper left", frameon=False)
     first = tables[0]
     mode = f"sampling at temperature {first['temperature']}" if first.get("temperature") else "greedy"
-    ax.set_title(f"Speedup over vanilla, τ = tokens per forward pass: {first['dtype']}, {mode}, "
+    peers = " (llama.cpp's over its own vanilla)" if any(m.startswith("llama.cpp") for m in methods) else ""
+    ax.set_title(f"Speedup over vanilla{peers}, τ = tokens per forward pass: {first['dtype']}, {mode}, "
                  f"{first['prompts']} prompt(s) per category, up to {first['new_tokens']} new tokens\n{machine}",
                  fontsize=9, loc="left")
     fig.tight_layout()
@@ -455,7 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "pass, or vanilla's) plain, a bar under each pass's tokens. File: OUT/answer-METHODS.")
     answer.add_argument("--methods", nargs="+", default=["anpd"], choices=GUESSING_METHODS,
                         help="methods to draw next to vanilla")
-    for sub in (step, answer):
+    cost = commands.add_parser(
+        "cost", formatter_class=DefaultsHelpFormatter,
+        help="what a cost-aware drafter sent each pass, and its acceptance estimates",
+        description="Decode a prompt greedily with a method's cost-aware drafter and draw, per forward pass, "
+                    "the guesses offered, sent and accepted and the accepted guesses expected of those sent, and "
+                    "below, the estimates of the most judged kinds of guess (File: OUT/cost-METHOD).")
+    cost.add_argument("--method", default="auto", choices=GUESSING_METHODS, help="the method to draw")
+    for sub in (step, answer, cost):
         sub.add_argument("--prompt", required=True, help="the prompt")
         sub.add_argument("--max-new-tokens", type=integer(1, 4096), default=64, metavar="N",
                          help="stop after this many new tokens (or at end-of-sequence)")
@@ -475,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "starred (OUT/calibration-K).")
     calibration.add_argument("file", type=Path, nargs="?", metavar="CALIBRATION.json",
                              help="default: this machine's, in the cache (decode.py --calibrate writes it)")
-    for sub, draw in [(step, draw_step), (answer, draw_answers), (bench, draw_bench), (calibration, draw_calibration)]:
+    for sub, draw in [(step, draw_step), (answer, draw_answers), (cost, draw_cost), (bench, draw_bench),
+                      (calibration, draw_calibration)]:
         sub.set_defaults(draw=draw, command_parser=sub)
         sub.add_argument("--out", type=Path, default=Path("figures"), metavar="DIR", help="folder for the figures")
         sub.add_argument("--formats", nargs="+", choices=["png", "svg"], default=["png", "svg"],
@@ -510,6 +584,10 @@ def loaded(args, methods: list[str]):
     return model, tokenizer, prompt_ids(args, prompt, model, tokenizer)
 
 
+def short(prompt: str, length: int = 100) -> str:
+    return prompt if len(prompt) <= length else prompt[:length - 1] + "…"
+
+
 def token_texts(tokenizer):
     """ids -> their text, special tokens included: what the figures label tokens with."""
     return functools.partial(tokenizer.decode, skip_special=False)
@@ -537,9 +615,8 @@ def draw_answers(args) -> list[Path]:
     model, tokenizer, ids = loaded(args, methods)
     answers = {name: decoded(args, name, model, tokenizer, ids) for name in ["vanilla", *methods]}
 
-    prompt = args.prompt if len(args.prompt) <= 100 else args.prompt[:99] + "…"
     fig = answer_figure(answers, token_texts(tokenizer), f"Who chose each token, decoding greedily (so every answer is vanilla's)\n"
-                                          f"prompt: {visible(prompt)}")
+                                          f"prompt: {visible(short(args.prompt))}")
     return save(fig, args.out, "answer-" + "-".join(methods), args.formats)
 
 

@@ -2,6 +2,8 @@
 their evidence, and it decodes exactly as vanilla greedy, cost-aware or not, with or without PPD's
 soft tokens on the root (its sampling is tested with the other methods in test_sampling_decode.py)."""
 
+import random
+
 import torch
 from hypothesis import given, strategies as st
 
@@ -9,11 +11,11 @@ from combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_draft
 from cost_aware import CostAware, Latency
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
-from helpers import assert_decodes_as_naive_greedy, random_accuracy, tiny_model, trees
+from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
+                     tiny_model, trees)
+from methods import METHODS, build_drafter, default_options
 from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from tree import Tree
-
-import random
 
 
 def random_ppd(model, seed=0):
@@ -95,3 +97,30 @@ def test_the_combined_drafter_takes_guesses_from_every_source():
                               SoftTokensOnRoot(ppd))
     generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter, on_pass=watch)
     assert sources_accepted == {"anpd", "lookahead", "ppd"}
+
+
+def test_auto_on_the_default_model_equals_vanilla(default_model, default_tokenizer):
+    """--method auto as decode.py builds it (the shipped soft tokens carried: passes cost the same here)."""
+    drafter = build_drafter(METHODS["auto"], default_options(), default_model, default_tokenizer,
+                            latency=Latency.flat())
+    assert isinstance(drafter.drafter, CombinedDrafter) and drafter.drafter.soft is not None
+    assert_shipped_guesser_equals_vanilla(default_model, default_tokenizer, drafter)
+
+
+def test_soft_tokens_ride_along_only_when_their_next_pass_pays():
+    """P0 = the chance this pass accepts no guess, G = PPD's expected accepted guesses: kept when
+    (E + P0 G) / L(with them) beats E / L(without)."""
+    model = tiny_model(0)
+    soft = SoftTokensOnRoot(random_ppd(model))
+    combined = CombinedDrafter([Fixed([5], "x")], soft)
+    combined.begin(type("Request", (), {"prompt_ids": [1, 2]})())
+    tree = combined.propose()  # root (+ 6 soft-token inputs) -> 5, p(5) = 0.5
+    assert tree.soft_counts[0] == 3
+    expected, ends_at_root = 1.5, 0.5
+    for soft_cost, kept in [(0.0, True), (0.01, True), (5.0, False)]:
+        latency = Latency({1: 1.0, 2: 1.0, 8: 1.0 + soft_cost})
+        drafter = CostAware(combined, latency)
+        drafter.begin(type("Request", (), {"prompt_ids": [1, 2]})())
+        chosen = drafter.soft_tokens_if_they_pay(tree, soft)
+        assert (chosen.soft_counts[0] > 0) == kept
+        assert kept == ((expected + ends_at_root * soft.gain) / latency(8) > expected / latency(2))

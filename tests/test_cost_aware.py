@@ -23,7 +23,8 @@ latencies = st.dictionaries(st.integers(1, 40), st.floats(0.01, 10.0), min_size=
 @st.composite
 def trees_and_estimates(draw, max_nodes=12, low=0.0, high=1.0):
     tree = draw(trees(max_nodes=max_nodes))
-    p = [1.0] + [draw(st.floats(low, high)) for _ in range(tree.draft_size)]
+    estimate = st.floats(low, high) | st.just(high)  # p = 1 often: a child then reaches as far as its parent
+    p = [1.0] + [draw(estimate) for _ in range(tree.draft_size)]
     return tree, p
 
 
@@ -105,6 +106,14 @@ def test_the_draft_length_follows_leviathans_optimum():
     assert best_draft_length(0.5, 0.6, flat, 64) == 0
 
 
+def test_a_child_as_likely_as_its_parent_comes_after_it():
+    """root -> a (p 0.6) -> b (p 1): a and b reach equally far; one guess pays, two do not, and the
+    one must be a (b alone would hang from a node not sent)."""
+    tree = Tree([0, 1, 2], [-1, 0, 1])
+    latency = Latency({1: 1.0, 2: 1.1, 3: 1.8})
+    assert best_subtree(tree, [1.0, 0.6, 1.0], latency).tokens == [0, 1]
+
+
 def test_latency_interpolates_and_never_decreases():
     latency = Latency({1: 1.0, 4: 2.5, 8: 2.0, 16: 4.0})
     assert latency(1) == latency(0) == 1.0
@@ -173,3 +182,12 @@ def test_cost_aware_drafters_decode_as_vanilla_greedy(seed, prompt, max_new_toke
     for drafter in [NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3),
                     DraftModelDrafter(model.first_layers(1), gamma=3, step_cost=0.1)]:
         assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(drafter, latency))
+
+
+def test_siblings_estimates_never_add_up_to_more_than_one():
+    """The model takes at most one child of a node: two sources' different guesses are scaled down
+    together when their estimates would add up past 1."""
+    tree = Tree([0, 1, 2, 3], [-1, 0, 0, 1], evidence=[(), ((("a",), 0.8),), ((("b",), 0.6),), ((("c",), 0.9),)])
+    drafter = CostAware(Drafter(), Latency.flat())
+    drafter.estimates = AcceptanceEstimates()
+    assert drafter.estimates_of(tree) == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.9])

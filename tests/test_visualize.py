@@ -108,6 +108,17 @@ def test_the_answer_figure_colours_exactly_the_accepted_guesses(tiny, tmp_path):
     assert tokens == expected and any(gen.from_draft for gen in answers.values())
 
 
+def test_the_cost_figure_draws_every_pass_of_the_cost_aware_drafter(tiny_folder, tmp_path, capsys):
+    """One offered / sent / accepted bar per pass after the prefill, and an estimate line per kind."""
+    base = ["--model", str(tiny_folder), "--raw", "--prompt", PROMPT, "--max-new-tokens", "24", "--out", str(tmp_path)]
+    assert visualize.main(["cost", "--method", "anpd", *base, "--formats", "svg"]) == 0
+    ids = svg_ids(capsys.readouterr().out.split()[0])
+    passes = {int(i.split("-")[1]) for i in ids if i.startswith("pass-")}
+    assert passes == set(range(1, max(passes) + 1))
+    assert all(f"pass-{p}-{kind}" in ids for p in passes for kind in ("offered", "sent", "accepted"))
+    assert any(i.startswith("estimate-anpd-") for i in ids)
+
+
 def test_passes_of_an_answer_end_at_each_token_the_model_chose():
     assert visualize.pass_spans([False, True, True, False, False, True]) == [(0, 1), (1, 4), (4, 5), (5, 6)]
 
@@ -128,6 +139,7 @@ def test_the_command_line_saves_every_figure(tiny_folder, tmp_path, capsys):
     (["step", "--method", "anpd", "--pass", "999"], "the answer took only"),
     (["step", "--method", "anpd", "--tree-rows", "8"], "--tree-rows applies to --method medusa and ppd only"),
     (["answer", "--methods", "anpd", "--gamma", "2"], "--gamma applies to --method speculative only"),
+    (["cost", "--method", "anpd", "--fixed-size"], "there is no cut to draw"),
 ])
 def test_bad_requests_are_one_line_errors(tiny_folder, tmp_path, capsys, argv, fragment):
     code = visualize.main([*argv, "--model", str(tiny_folder), "--raw", "--prompt", PROMPT, "--max-new-tokens", "4",
