@@ -36,7 +36,7 @@ A draft model pays a draft step per guess before anything can be cut, so it firs
 many as pay (best_draft_length). The combined drafter's soft tokens are sent when their guesses for
 the next pass pay (CostAware.soft_tokens_if_they_pay). And after PROBE_EVERY passes in a row whose
 guesses were all cut, one pass sends them whole, so that estimates made low by a few early misses
-can recover.
+can recover (a probe that finds nothing doubles the wait for the next).
 """
 
 import bisect
@@ -177,7 +177,8 @@ class CostAware(Drafter):
     costs a draft step, first drafts only as many as pay (best_draft_length)."""
 
     # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
-    # one): estimates made low by a few early misses would otherwise never be corrected
+    # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
+    # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
     PROBE_EVERY = 16
 
     def __init__(self, drafter: Drafter, latency: Latency):
@@ -187,6 +188,7 @@ class CostAware(Drafter):
     def begin(self, request):
         self.estimates = AcceptanceEstimates()
         self.idle = 0  # passes in a row whose guesses were all cut
+        self.probe_after, self.probing = self.PROBE_EVERY, False
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
         self.drafter.begin(request)
 
@@ -213,8 +215,8 @@ class CostAware(Drafter):
             self.idle = 0
         elif len(candidates) > 1:
             self.idle += 1
-        if self.idle > self.PROBE_EVERY:
-            tree, self.idle = candidates, 0
+        if self.idle > self.probe_after:
+            tree, self.idle, self.probing = candidates, 0, True
         if isinstance(self.drafter, CombinedDrafter) and self.drafter.soft:
             tree = self.soft_tokens_if_they_pay(tree, self.drafter.soft)
         self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.estimates_of(tree))) - 1)
@@ -252,11 +254,14 @@ class CostAware(Drafter):
         alpha = (accepted + AcceptanceEstimates.PRIOR_WEIGHT / 2) / (judged + AcceptanceEstimates.PRIOR_WEIGHT)
         gamma = best_draft_length(alpha, drafter.step_cost, self.latency, drafter.gamma)
         self.idle = self.idle + 1 if gamma == 0 else 0
-        if self.idle > self.PROBE_EVERY:
+        if self.idle > self.probe_after:
             gamma = 1  # (propose resets the count when the guess is sent)
         drafter.gamma_now = gamma
 
     def verified(self, tree, verdict):
+        if self.probing:
+            self.probe_after = self.PROBE_EVERY if verdict.accepted_guesses else 2 * self.probe_after
+            self.probing = False
         for node, outcome in enumerate(verdict.outcomes(tree)):
             if node and outcome != "unreached":
                 for key, _ in tree.evidence[node]:

@@ -376,9 +376,11 @@ def speedup_figure(tables: list[dict], machine: str):
     categories = [t["category"] for t in tables]
     methods = [row[0] for row in tables[0]["rows"] if not row[0].endswith("vanilla")]
     measure = "decode_speedup" if "decode_speedup" in tables[0]["columns"] else "speedup"
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 0.5 * len(methods) * len(categories)), 4.8))
+    inches = min(18.0, max(7.0, 1.0 + 0.5 * len(methods) * len(categories)))
+    fig, ax = plt.subplots(figsize=(inches, 5.2))
     width = 0.8 / max(len(methods), 1)
-    colours = plt.get_cmap("tab10")
+    tau_size = 8 if (inches - 1) / (len(methods) * len(categories)) >= 0.3 else 5.5  # fit inside thin bars
+    colours = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
     for m, method in enumerate(methods):
         for c, t in enumerate(tables):
             row = next((r for r in t["rows"] if r[0] == method), None)
@@ -388,15 +390,15 @@ def speedup_figure(tables: list[dict], machine: str):
             x = c - 0.4 + width * (m + 0.5)
             ax.bar(x, values[measure] or 0.0, width, color=colours(m), label=method if c == 0 else None,
                    gid=f"bar-{method}-{t['category']}")
-            ax.text(x, 0.03, f"τ {values['tau']:.2f}", ha="center", va="bottom", fontsize=8, rotation=90,
-                    color="white", fontweight="bold")  # inside the bar, clear of the vanilla line
+            ax.text(x, 0.03, f"τ {values['tau']:.2f}", ha="center", va="bottom", fontsize=tau_size, rotation=90,
+                    color="black")  # inside the bar, clear of the vanilla line
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.text(-0.48, 1.01, "vanilla", va="bottom", ha="left", fontsize=8)
     ax.set_xticks(range(len(categories)), categories)
     ax.set_ylabel("speedup over vanilla, decode phase (same run)" if measure == "decode_speedup"
                   else "speedup over vanilla (tokens/s, same run)")
     ax.set_ylim(0, max(ax.get_ylim()[1], 1.2) * 1.12)
-    ax.legend(fontsize=8, ncol=min(len(methods), 4), loc="upper left", frameon=False)
+    ax.legend(fontsize=8, ncol=min(len(methods), 6), loc="upper left", frameon=False)
     first = tables[0]
     mode = f"sampling at temperature {first['temperature']}" if first.get("temperature") else "greedy"
     peers = " (llama.cpp's over its own vanilla)" if any(m.startswith("llama.cpp") for m in methods) else ""

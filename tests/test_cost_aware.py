@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import AcceptanceEstimates, CostAware, Latency, best_draft_length, best_subtree, reach
+from cost_aware import CostAware, Latency, best_draft_length, best_subtree, reach
 from decode import generate
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
 from tree import Tree
 from verify import verify_greedy
@@ -168,7 +168,7 @@ def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
     logits = torch.zeros(5, 8)
     logits[0, 1] = logits[1, 5] = 1.0  # the model takes node 1, then 5: node 2 rejected, 3 rejected, 4 unreached
     drafter = CostAware(Drafter(), Latency.flat())
-    drafter.estimates = AcceptanceEstimates()
+    drafter.begin(Request([0]))
     drafter.verified(tree, verify_greedy(tree, logits))
     assert dict(drafter.estimates.judged) == {("a",): 1, ("b",): 1, ("c",): 1}
     assert dict(drafter.estimates.accepted) == {("a",): 1}
@@ -189,5 +189,5 @@ def test_siblings_estimates_never_add_up_to_more_than_one():
     together when their estimates would add up past 1."""
     tree = Tree([0, 1, 2, 3], [-1, 0, 0, 1], evidence=[(), ((("a",), 0.8),), ((("b",), 0.6),), ((("c",), 0.9),)])
     drafter = CostAware(Drafter(), Latency.flat())
-    drafter.estimates = AcceptanceEstimates()
+    drafter.begin(Request([0]))
     assert drafter.estimates_of(tree) == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.9])
