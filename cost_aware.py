@@ -34,7 +34,8 @@ What a pass costs: L(n), a whole pass of the loop over n inputs on this machine 
 calibrate.machine_latency), plus the drafter's own mean time per pass (Medusa's heads, retrieval).
 A draft model pays a draft step per guess before anything can be cut, so it first drafts only as
 many as pay (best_draft_length). The combined drafter's soft tokens are sent when their guesses for
-the next pass pay (CostAware.soft_tokens_if_they_pay). And after PROBE_EVERY passes in a row whose
+the next pass pay (CostAware.soft_tokens_if_they_pay); Medusa's heads, which cost their time whatever
+is sent, run only when their tree could pay that too (CostAware.heads_pay). And after PROBE_EVERY passes in a row whose
 guesses were all cut, one pass sends them whole, so that estimates made low by a few early misses
 can recover (a probe that finds nothing doubles the wait for the next).
 """
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 from combined import CombinedDrafter, SoftTokensOnRoot
 from drafters import Drafter, DraftModelDrafter
+from medusa import MedusaDrafter
 from tree import Tree
 
 Key = tuple  # what a guess's outcome is filed under
@@ -189,6 +191,7 @@ class CostAware(Drafter):
         self.estimates = AcceptanceEstimates()
         self.idle = 0  # passes in a row whose guesses were all cut
         self.probe_after, self.probing = self.PROBE_EVERY, False
+        self.observe_seconds: list[float] = []  # Medusa's heads, each time they ran
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
         self.drafter.begin(request)
 
@@ -272,7 +275,26 @@ class CostAware(Drafter):
         self.timed(lambda: self.drafter.extend(tokens))
 
     def observe(self, hidden, soft_logits):
+        if isinstance(self.drafter, MedusaDrafter) and not self.heads_pay(self.drafter):
+            self.drafter.candidates = []  # their guesses would all be cut: the next pass is the root alone
+            self.idle += 1
+            return
+        started = time.perf_counter()
         self.timed(lambda: self.drafter.observe(hidden, soft_logits))
+        self.observe_seconds.append(time.perf_counter() - started)
+
+    def heads_pay(self, drafter: MedusaDrafter) -> bool:
+        """Whether Medusa's heads are worth running after this pass: they cost their time whatever is sent
+        (an LM-head product), so they run only when the best part of their tree, as the estimates
+        stand (they depend on distance and rank, not on the tokens), would beat sending nothing, that
+        cost included; and on a probe."""
+        if not self.observe_seconds or self.idle >= self.probe_after:
+            return True
+        placeholder = [[0] * len(ranks) for ranks in drafter.accuracy]
+        tree = Tree.from_topk(0, placeholder, drafter.spec, accuracy=drafter.accuracy, source="medusa")
+        heads = sum(self.observe_seconds[-8:]) / len(self.observe_seconds[-8:])
+        chosen = best_subtree(tree, self.estimates_of(tree), lambda inputs: self.latency(inputs) + heads)
+        return len(chosen) > 1
 
     def prompt_tree(self, prompt_ids):
         return self.drafter.prompt_tree(prompt_ids)

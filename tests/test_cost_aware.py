@@ -14,6 +14,7 @@ from cost_aware import CostAware, Latency, best_draft_length, best_subtree, reac
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
+from medusa import MedusaDrafter, MedusaHeads
 from tree import Tree
 from verify import verify_greedy
 
@@ -191,3 +192,29 @@ def test_siblings_estimates_never_add_up_to_more_than_one():
     drafter = CostAware(Drafter(), Latency.flat())
     drafter.begin(Request([0]))
     assert drafter.estimates_of(tree) == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.9])
+
+
+def medusa_drafter(model, accuracy, seed=0):
+    heads = MedusaHeads(model.config.hidden_size, len(accuracy)).double()
+    torch.manual_seed(seed)
+    for parameter in heads.parameters():
+        parameter.data += 0.1 * torch.randn_like(parameter)
+    return MedusaDrafter(model, heads, accuracy, rows=6)
+
+
+@given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24), latencies)
+def test_cost_aware_medusa_decodes_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
+    model = tiny_model(seed)
+    drafter = CostAware(medusa_drafter(model, [[0.4, 0.2], [0.3, 0.1]], seed), latency)
+    assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, drafter)
+
+
+def test_medusa_heads_do_not_run_when_no_guess_of_theirs_could_pay():
+    """Heads whose guesses are never right (accuracy 0) are run once, to time them, then only on probes."""
+    model = tiny_model(0)
+    drafter = CostAware(medusa_drafter(model, [[0.0, 0.0], [0.0, 0.0]]), Latency({1: 1.0, 2: 1.5}))
+    runs = []
+    heads = drafter.drafter.heads
+    heads.register_forward_hook(lambda *_: runs.append(1))
+    generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter)
+    assert 1 <= len(runs) <= 1 + 60 // CostAware.PROBE_EVERY
