@@ -162,11 +162,6 @@ def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
                     generator=torch.Generator(model.device).manual_seed(seed))
 
 
-def run_ours(model, prompt_ids, drafter, args, eos_ids, seed=0):
-    gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
-    return gen.token_ids, gen.forward_passes, gen.decode_seconds
-
-
 def timed_run(model, prompt_ids, drafter, args, eos_ids, seed, vanilla_ids=None) -> Run:
     gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
     return Run(len(gen.token_ids), gen.forward_passes, gen.decode_seconds, gen.decode_seconds - gen.prefill_seconds,
@@ -293,7 +288,7 @@ def warm_up(model, peer, tokenizer):
     ids = tokenizer.prompt_ids("Say hello, then say hello again.", raw=False)
     warm = argparse.Namespace(new_tokens=8, temperature=0.0)
     for drafter in [Drafter(), NGramDrafter()]:  # not the run's drafters: their state is the point
-        run_ours(model, ids, drafter, warm, tokenizer.eos_ids)
+        generation(model, ids, drafter, warm, tokenizer.eos_ids)
     if peer:
         peer.run(ids, warm, tokenizer.eos_ids, [])
 
@@ -419,7 +414,8 @@ def bench_speculative(args, tokenizer, report):
 def bench_learned(args, tokenizer, report):
     """Medusa vs PPD (dynamic and static trees) on the same budgets of inputs per pass, and the held-out
     prediction accuracy of their trained parts (PPD Table 2's layout; PPD Figure 8a's static vs
-    dynamic sparse tree)."""
+    dynamic sparse tree). The papers' trees, whole every pass (--fixed-size), so that the predicted
+    tau is the one of the tree that runs."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
     prepare_tree_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
@@ -442,17 +438,18 @@ def bench_learned(args, tokenizer, report):
     warm_up(model, None, tokenizer)
     drafters, tallies = {}, {"vanilla": Tally()}
     for budget in args.budgets:
-        for label, variant in [("medusa", "medusa"), ("ppd dynamic", "ppd"), ("ppd static", "ppd-static")]:
+        for label, variant in [("medusa", "medusa-fixed"), ("ppd dynamic", "ppd-fixed"), ("ppd static", "ppd-static-fixed")]:
             try:
                 drafters[budget, label] = variant_drafter(variant, model, tokenizer, args, budget)
                 tallies[budget, label] = Tally()
             except TooFewRows:  # a budget too small for the static tree's soft tokens
                 pass
     for number, prompt_ids in enumerate(prompts, 1):
-        vanilla = run_ours(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
-        tallies["vanilla"].add(*vanilla, vanilla[0])
+        vanilla = timed_run(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
+        tallies["vanilla"].add_run(vanilla)
         for key, drafter in drafters.items():
-            tallies[key].add(*run_ours(model, prompt_ids, drafter, args, tokenizer.eos_ids, number), vanilla[0])
+            tallies[key].add_run(timed_run(model, prompt_ids, drafter, args, tokenizer.eos_ids, number,
+                                           vanilla.token_ids))
         print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
     lines = []
     for (budget, name), drafter in drafters.items():
