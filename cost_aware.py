@@ -34,10 +34,10 @@ What a pass costs: L(n), a whole pass of the loop over n inputs on this machine 
 calibrate.machine_latency), plus the drafter's own mean time per pass (Medusa's heads, retrieval).
 A draft model pays a draft step per guess before anything can be cut, so it first drafts only as
 many as pay (best_draft_length). The combined drafter's soft tokens are sent when their guesses for
-the next pass pay (CostAware.soft_tokens_if_they_pay); Medusa's heads, which cost their time whatever
-is sent, run only when their tree could pay that too (CostAware.heads_pay). And after PROBE_EVERY passes in a row whose
-guesses were all cut, one pass sends them whole, so that estimates made low by a few early misses
-can recover (a probe that finds nothing doubles the wait for the next).
+the next pass pay (CostAware.soft_tokens_if_they_pay); Medusa's heads, which cost their time
+whatever is sent, run only when their tree could pay that too (CostAware.heads_pay). And after
+PROBE_EVERY passes in a row whose guesses were all cut, one pass sends them whole, so that estimates
+made low by a few early misses can recover (a probe that finds nothing doubles the wait for the next).
 """
 
 import bisect
@@ -165,8 +165,8 @@ def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], f
     """The gamma in 0..most of the largest expected tokens per second when every guess is accepted
     with probability alpha and a draft step costs step_cost L(1): the gamma that maximises Leviathan
     et al. 2023's expected walltime improvement (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)),
-    with the verifying pass's measured L(gamma + 1) in place of their one step. Before drafting, only alpha is known: it is estimated from this
-    generation's verdicts of the draft's guesses."""
+    with the verifying pass's measured L(gamma + 1) in place of their one step. Before drafting, only
+    alpha is known: it is estimated from this generation's verdicts of the draft's guesses."""
     def rate(gamma):
         expected = sum(alpha ** i for i in range(gamma + 1))  # (1 - alpha^(gamma+1)) / (1 - alpha)
         return expected / (latency(gamma + 1) + gamma * step_cost * latency(1))
@@ -186,6 +186,9 @@ class CostAware(Drafter):
     def __init__(self, drafter: Drafter, latency: Latency):
         self.drafter, self.latency = drafter, latency
         self.max_draft_tokens = drafter.max_draft_tokens
+        if isinstance(drafter, MedusaDrafter):  # its tree's shape and evidence, whatever the heads guess
+            placeholder = [[0] * len(ranks) for ranks in drafter.accuracy]
+            self.heads_tree = Tree.from_topk(0, placeholder, drafter.spec, accuracy=drafter.accuracy, source="medusa")
 
     def begin(self, request):
         self.estimates = AcceptanceEstimates()
@@ -275,7 +278,7 @@ class CostAware(Drafter):
         self.timed(lambda: self.drafter.extend(tokens))
 
     def observe(self, hidden, soft_logits):
-        if isinstance(self.drafter, MedusaDrafter) and not self.heads_pay(self.drafter):
+        if isinstance(self.drafter, MedusaDrafter) and not self.heads_pay():
             self.drafter.candidates = []  # their guesses would all be cut: the next pass is the root alone
             self.idle += 1
             return
@@ -283,17 +286,16 @@ class CostAware(Drafter):
         self.timed(lambda: self.drafter.observe(hidden, soft_logits))
         self.observe_seconds.append(time.perf_counter() - started)
 
-    def heads_pay(self, drafter: MedusaDrafter) -> bool:
+    def heads_pay(self) -> bool:
         """Whether Medusa's heads are worth running after this pass: they cost their time whatever is sent
         (an LM-head product), so they run only when the best part of their tree, as the estimates
         stand (they depend on distance and rank, not on the tokens), would beat sending nothing, that
         cost included; and on a probe."""
         if not self.observe_seconds or self.idle >= self.probe_after:
             return True
-        placeholder = [[0] * len(ranks) for ranks in drafter.accuracy]
-        tree = Tree.from_topk(0, placeholder, drafter.spec, accuracy=drafter.accuracy, source="medusa")
         heads = sum(self.observe_seconds[-8:]) / len(self.observe_seconds[-8:])
-        chosen = best_subtree(tree, self.estimates_of(tree), lambda inputs: self.latency(inputs) + heads)
+        chosen = best_subtree(self.heads_tree, self.estimates_of(self.heads_tree),
+                              lambda inputs: self.latency(inputs) + heads)
         return len(chosen) > 1
 
     def prompt_tree(self, prompt_ids):
