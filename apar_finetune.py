@@ -6,13 +6,18 @@ attention mask and a label per token), `AparAdapter` and `apar_logits` (the loss
 `apply_adapter` (merged at load time; decoding is apar.py's engine). `python train_prompt.py apar`
 runs the training (train_prompt.py).
 
-The paper fine-tunes all weights; on 2 CPU cores this trains a rank-8 LoRA update of every layer's
-attention projections plus the two control tokens' embedding rows (tied to the LM head), about 0.6M
-parameters, so it fits in well under an hour and ships as a few MB.
+The paper fine-tunes all weights; this trains a rank-16 LoRA update of every layer's attention
+projections plus the two control tokens' embedding rows (tied to the LM head), about 1.3M
+parameters, which ships as a few MB. Rank and learning rate were chosen among four settings by
+held-out [Fork] precision and recall (train_prompt.py apar records its settings with the weights).
 
-The data rules. An answer is read, in this order, as
-1. an *ordered list*: at least 3 numbered points "N. root: detail", each point's text at least 10
-   characters. The root ("2. Watering:") is written by the parent thread, the detail by a child.
+The data rules. An answer that loops (`repetitive`) is left out of training; any other is read,
+in this order, as
+1. an *ordered list*: at least 3 points "N. root: detail" (or bullets "- "), each detail at least 10
+   characters; a point with no colon has its first three words as root (this project's addition:
+   the small model writes many such lists). The root ("2. Watering:") is written by the parent
+   thread, the detail by a child. The whitespace between points belongs to the next root, so a
+   child ends with EOS right after its last word and RESTORE gives the answer back byte for byte.
 2. *paragraphs*: the answer split at blank lines; a paragraph of two or more sentences has its first
    sentence as root and the rest as detail. Paragraphs of one sentence are not split.
 3. *unstructured*: code blocks, math, URLs, or neither of the above. Such an answer stays one
@@ -25,12 +30,15 @@ only its ancestors: detail_i sees the prompt and root_1..root_i, root_(i+1) sees
 no detail. [Child] is an input but never a target ("attended to but not taken loss"), so the model
 learns to *write* details when the engine injects it, and never to emit it.
 
-Training source (this project's choice, as for PPD/Medusa): the default model's own greedy answers to
-ShareGPT first turns, half of them list-style requests, with the benchmark's test prompts kept out
+Training source (this project's choice, as for PPD/Medusa): the default model's own answers to
+ShareGPT first turns (every list-style one, then others), one greedy and one sampled answer each
+(the small model's greedy answers loop more often than not), with the benchmark's test prompts kept out
 (self_distill.py's 13-word rule).
 """
 
+import itertools
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +49,7 @@ import artifacts
 from apar import AparEngine, ControlTokens
 from cpu_kernels import prepare_tree_kernels
 from errors import UserError
-from self_distill import training_prompts
+from self_distill import training_prompts, usable_prompts
 from tree import Tree
 
 LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
@@ -53,32 +61,36 @@ def looks_list_style(prompt: str) -> bool:
     return bool(LIST_STYLE.search(prompt))
 
 
-def apar_prompts(count: int, tokenizer, max_prompt_tokens: int, pool: int = 320) -> list[str]:
-    """The `count` shortest of `pool` ShareGPT prompts, half of which are list-style and half anything
-    else (which brings the code, math and prose answers that become negative examples). Short prompts
-    first because answering costs the same for every prompt of a batch: as long as its longest answer."""
-    lists = training_prompts(pool // 2, tokenizer, max_prompt_tokens, looks_list_style)
-    others = training_prompts(pool - pool // 2, tokenizer, max_prompt_tokens, lambda p: not looks_list_style(p))
-    return sorted(lists + others, key=lambda p: len(tokenizer.prompt_ids(p, raw=False)))[:count]
+def apar_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
+    """Every usable list-style ShareGPT prompt (about 960 of its 11k first turns pass the rules of
+    self_distill.usable_prompts), up to `count`, then other prompts to make `count`: those bring the
+    code, math and prose answers that become negative examples, and many list answers too (the model
+    often answers a plain question with a numbered list)."""
+    lists = list(itertools.islice(usable_prompts(tokenizer, max_prompt_tokens, looks_list_style), count))
+    others = training_prompts(count - len(lists), tokenizer, max_prompt_tokens, lambda p: not looks_list_style(p))
+    return lists + others
 
 
 # ---- structure: the text rules of appendix B ----------------------------------------------------
 
-NUMBERED_POINT = re.compile(r"^\d+\.\s+\S.*?:(?:\*\*)?", re.M)  # "2. Watering:" or "2. **Watering:**"
-UNSTRUCTURED = re.compile(r"```|https?://|www\.|\$|\\\(|\\\[|\d\s*[-+*/^=×÷]\s*\d")  # code, URLs, math
+POINT = re.compile(r"^(?:\d+\.|[-*•])[ \t]+(?=\S)", re.M)  # a point starts a line: "2. " or "- "
+COLON_ROOT = re.compile(r"[^\n]{1,100}?:(?:\*\*)?(?=\s)")  # "Watering:" or "**Watering:**", in its first line
+FIRST_WORDS = re.compile(r"(?:\S+[^\S\n]+){0,2}\S+")  # else its first three words (fewer on a short line)
+UNSTRUCTURED = re.compile(r"```|https?://|www\.|\$|\\\(|\\\[|\d\s*[+*/^=×÷]\s*\d|\d\s+-\s+\d")  # code, URLs, math
+# (but not "2013-2014" or "20-40-year-old")
 FIRST_SENTENCE = re.compile(r"(?s)(.{10,}?[.!?])(?=\s+\S)")  # at least 10 characters, then more text
 MIN_POINTS, MIN_POINT_CHARS = 3, 10
 
 
 @dataclass
 class Point:
-    root: str  # the parent thread writes it, then [Fork]
-    detail: str  # the thread forked there writes it, then EOS
+    root: str  # the parent thread writes it, then [Fork]; it starts with the separator after the last point
+    detail: str  # the thread forked there writes it, then EOS; it ends without whitespace
 
 
 @dataclass
 class Structure:
-    kind: str  # "list", "paragraphs" or "unstructured"
+    kind: str  # "list", "paragraphs", "unstructured", or "repetitive" (not used for training)
     points: list[Point]
     tail: str  # what the parent thread writes after its last [Fork] (everything, if unstructured)
 
@@ -88,48 +100,77 @@ class Structure:
 
 
 def structure(answer: str) -> Structure:
-    """Read an answer as an ordered list, else as paragraphs, else as unstructured (appendix B)."""
+    """Read an answer as an ordered list, else as paragraphs, else as unstructured (appendix B).
+    An answer that repeats itself is set apart: it would teach the model to loop."""
+    if repetitive(answer):
+        return Structure("repetitive", [], answer)
     if UNSTRUCTURED.search(answer):
         return Structure("unstructured", [], answer)
     return ordered_list(answer) or paragraphs(answer) or Structure("unstructured", [], answer)
 
 
+def repetitive(answer: str) -> bool:
+    """Two in five or more of its lines (list markers aside) repeat an earlier line, or some 8 words
+    come 6 times: the small model's loops (most of its greedy answers that hit the length limit),
+    which the data must not teach."""
+    lines = [POINT.sub("", line).strip().lower() for line in answer.splitlines() if line.strip()]
+    if len(lines) >= 4 and len(set(lines)) <= 0.6 * len(lines):
+        return True
+    words = re.findall(r"\w+", answer.lower())
+    counts = Counter(tuple(words[i:i + 8]) for i in range(len(words) - 7))
+    return bool(counts) and max(counts.values()) >= 6
+
+
+def cut_points(answer: str, spans: list[tuple[int, int, int]]) -> tuple[list[Point], str]:
+    """Points from (start, root end, end) spans of `answer`: text before a span joins its root, and
+    the whitespace that ends a point moves to the start of the next root (or the tail), so that a
+    child thread ends its detail with EOS right after the last word, and the separator between
+    points is written by the parent, which has seen every earlier root and its separator."""
+    points, pending = [], ""
+    for start, root_end, end in spans:
+        detail = answer[root_end:end].rstrip()
+        points.append(Point(pending + answer[start:root_end], detail))
+        pending = answer[root_end + len(detail):end]
+    return points, pending
+
+
 def ordered_list(answer: str) -> Structure | None:
-    """At least 3 numbered points "N. root: detail", each detail at least 10 characters. A point
-    runs to the next point; the last one to the next blank line, after which comes the tail. Text
-    before the first point belongs to the first root."""
-    roots = list(NUMBERED_POINT.finditer(answer))
-    if len(roots) < MIN_POINTS:
+    """At least 3 points (numbered, or bullets "- "), each detail at least 10 characters. A point's
+    root runs to the colon of "root: detail" in its first line (appendix B's regular expression),
+    else over its first three words; it runs to the next point, the last one to the next blank line,
+    after which comes the tail. Text before the first point belongs to the first root."""
+    starts = [m.start() for m in POINT.finditer(answer)]
+    if len(starts) < MIN_POINTS:
         return None
-    ends = [m.start() for m in roots[1:]]
-    last_end = answer.find("\n\n", roots[-1].end())
-    ends.append(len(answer) if last_end == -1 else last_end + 2)
-    points, start = [], 0
-    for match, end in zip(roots, ends):
-        detail = answer[match.end():end]
-        if len(detail.strip()) < MIN_POINT_CHARS:
+    last_end = answer.find("\n\n", starts[-1])
+    ends = starts[1:] + [len(answer) if last_end == -1 else last_end + 2]
+    spans, previous = [], 0
+    for start, end in zip(starts, ends):
+        body = POINT.match(answer, start).end()
+        root = COLON_ROOT.match(answer, body, end) or FIRST_WORDS.match(answer, body, end)
+        if root is None or len(answer[root.end():end].strip()) < MIN_POINT_CHARS:
             return None
-        points.append(Point(answer[start:match.end()], detail))
-        start = end
-    return Structure("list", points, answer[ends[-1]:])
+        spans.append((previous, root.end(), end))
+        previous = end
+    points, tail = cut_points(answer, spans)
+    return Structure("list", points, tail + answer[ends[-1]:])
 
 
 def paragraphs(answer: str) -> Structure | None:
     """Paragraphs (split at blank lines) of two or more sentences become root = first sentence,
     detail = the rest; a one-sentence paragraph is not split and joins the next root (or the tail).
     Needs at least two split paragraphs, so that two threads can run at once."""
-    pieces = re.split(r"(?<=\n\n)", answer)  # each paragraph keeps its trailing blank line
-    points, pending = [], ""
-    for piece in pieces:
+    spans, start, offset = [], 0, 0
+    for piece in re.split(r"(?<=\n\n)", answer):  # each paragraph keeps its trailing blank line
         first = FIRST_SENTENCE.match(piece)
-        if first is None:
-            pending += piece
-            continue
-        points.append(Point(pending + first.group(1), piece[first.end():]))
-        pending = ""
-    if len(points) < 2:
+        if first is not None:
+            spans.append((start, offset + first.end(), offset + len(piece)))
+            start = offset + len(piece)
+        offset += len(piece)
+    if len(spans) < 2:
         return None
-    return Structure("paragraphs", points, pending)
+    points, tail = cut_points(answer, spans)
+    return Structure("paragraphs", points, tail + answer[start:])
 
 
 # ---- layout: one sequence, a tree attention mask, and what each token must predict --------------
@@ -280,39 +321,57 @@ class AparAdapter(nn.Module):
         return made
 
 
-def apar_logits(model, adapter: AparAdapter, control, example) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [L, V] at the learned positions of a paragraph-tree example and their labels [L]: the
+def apar_logits(model, adapter: AparAdapter, control, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [L, V] at the learned positions of paragraph-tree examples and their labels [L]: each
     whole tree in one pass, every token attending to its ancestors only (section 2.2, "Training
-    attention")."""
-    tree = example.tree
+    attention"). Several examples are packed into one sequence with a block-diagonal mask (a tree
+    never sees another), so a step feeds the accelerator more than one answer."""
+    device = model.embed.weight.device
+    tokens = torch.tensor([[t for e in examples for t in e.tree.tokens]], device=device)
+    positions = torch.tensor([d for e in examples for d in e.tree.depths], device=device)
+    mask = torch.block_diag(*(e.tree.ancestor_mask().to(torch.uint8) for e in examples)).bool().to(device)
     weight = with_control_rows(model.embed.weight, control, adapter.control)  # input and output rows
-    embeds = F.embedding(torch.tensor([tree.tokens]), weight)
-    hidden = model.hidden_states(embeds=embeds, positions=torch.tensor(tree.depths), mask=tree.ancestor_mask())
-    labels = torch.tensor(example.labels)
+    hidden = model.hidden_states(embeds=F.embedding(tokens, weight), positions=positions, mask=mask)
+    labels = torch.tensor([label for e in examples for label in e.labels], device=device)
     learned = labels != IGNORE
     return F.linear(hidden[0, learned], weight), labels[learned]
 
 
-def apar_examples(records, tokenizer, control) -> list:
-    """Paragraph-tree examples, structured and unstructured mixed 1:1 (section 3.2): the first
-    unstructured ones up to the number of structured ones."""
+def packs(examples: list, max_tokens: int) -> list[list]:
+    """Consecutive examples grouped so that each group holds at most `max_tokens` tokens (an example
+    longer than that goes alone)."""
+    groups, size = [], max_tokens
+    for example in examples:
+        if size + len(example.tree) > max_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(example)
+        size += len(example.tree)
+    return groups
+
+
+def apar_examples(records, tokenizer, control, unstructured_share: float = 1.0) -> list:
+    """Paragraph-tree examples: every structured one (lists, paragraphs), then unstructured ones up
+    to `unstructured_share` times as many (section 3.2 samples the two 1:1). Repetitive answers are
+    left out: they would teach the model to loop."""
     examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
-    structured = [e for e in examples if e.kind != "unstructured"]
-    unstructured = [e for e in examples if e.kind == "unstructured"][:max(len(structured), 1)]
-    return structured + unstructured
+    structured = [e for e in examples if e.kind in ("list", "paragraphs")]
+    unstructured = [e for e in examples if e.kind == "unstructured"]
+    return structured + unstructured[:max(round(unstructured_share * len(structured)), 1)]
 
 
 @torch.no_grad()
-def apar_evaluation(model, adapter, control, examples) -> dict:
+def apar_evaluation(model, adapter, control, examples, max_tokens: int = 4096) -> dict:
     """Held-out loss, and how well [Fork] is placed when the model reads the true tree: precision
     and recall of "argmax is [Fork]" against "the label is [Fork]"."""
-    losses, hits, predicted, actual = [], 0, 0, 0
-    for example in examples:
-        logits, labels = apar_logits(model, adapter, control, example)
-        losses.append(F.cross_entropy(logits, labels).item())
+    loss, count, hits, predicted, actual = 0.0, 0, 0, 0, 0
+    for group in packs(examples, max_tokens):
+        logits, labels = apar_logits(model, adapter, control, group)
+        loss += F.cross_entropy(logits, labels, reduction="sum").item()
+        count += len(labels)
         says_fork, is_fork = logits.argmax(-1) == control.fork, labels == control.fork
         hits += int((says_fork & is_fork).sum())
         predicted += int(says_fork.sum())
         actual += int(is_fork.sum())
-    return {"held_out_loss": round(sum(losses) / max(len(losses), 1), 4),
+    return {"held_out_loss": round(loss / max(count, 1), 4),
             "fork_precision": round(hits / max(predicted, 1), 3), "fork_recall": round(hits / max(actual, 1), 3)}

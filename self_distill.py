@@ -15,6 +15,7 @@ and mask, so a row's tokens equal the one-prompt greedy answer, see tests/test_s
 appended to a JSONL file in the cache as they finish, so an interrupted run resumes where it stopped.
 """
 
+import itertools
 import json
 import re
 import sys
@@ -26,6 +27,7 @@ import torch
 import bench_data
 from errors import UserError
 from kv_cache import KVCache
+from sampling import Sampling, target_probs
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 13  # words: Brown et al. 2020's overlap length
@@ -62,10 +64,10 @@ def benchmark_ngrams() -> set[tuple[str, ...]]:
     return grams
 
 
-def training_prompts(count: int, tokenizer, max_prompt_tokens: int, wanted=lambda prompt: True) -> list[str]:
-    """The first `count` ShareGPT first turns that are `wanted` and neither too short, too long,
-    repeated, nor overlapping a benchmark prompt. A fixed rule on a fixed file: the same list every time."""
-    banned, seen, chosen = benchmark_ngrams(), set(), []
+def usable_prompts(tokenizer, max_prompt_tokens: int, wanted=lambda prompt: True):
+    """The ShareGPT first turns that are `wanted` and neither too short, too long, repeated, nor
+    overlapping a benchmark prompt, in file order. A fixed rule on a fixed file: the same every time."""
+    banned, seen = benchmark_ngrams(), set()
     for prompt in sharegpt_first_turns():
         prompt = prompt.strip()
         if len(prompt) < 16 or prompt in seen or not wanted(prompt) or word_ngrams(prompt) & banned:
@@ -73,29 +75,41 @@ def training_prompts(count: int, tokenizer, max_prompt_tokens: int, wanted=lambd
         if len(tokenizer.prompt_ids(prompt, raw=False)) > max_prompt_tokens:
             continue
         seen.add(prompt)
-        chosen.append(prompt)
-        if len(chosen) == count:
-            return chosen
-    raise UserError(f"ShareGPT holds only {len(chosen)} usable prompts, {count} were asked for")
+        yield prompt
+
+
+def training_prompts(count: int, tokenizer, max_prompt_tokens: int, wanted=lambda prompt: True) -> list[str]:
+    """The first `count` usable prompts."""
+    chosen = list(itertools.islice(usable_prompts(tokenizer, max_prompt_tokens, wanted), count))
+    if len(chosen) < count:
+        raise UserError(f"ShareGPT holds only {len(chosen)} usable prompts, {count} were asked for")
+    return chosen
 
 
 @torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
-    """Greedy answers to several prompts in one batch. Prompts are left-padded to a common length;
-    a row's positions count from its own first token and its mask hides the padding, so each row
-    computes what it would alone. Returns each answer up to and including its end-of-sequence token."""
+def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 sampling: Sampling = Sampling(), generator=None) -> list[list[int]]:
+    """Answers to several prompts in one batch, greedy or sampled. Prompts are left-padded to a
+    common length; a row's positions count from its own first token and its mask hides the padding,
+    so each row computes what it would alone. Returns each answer up to and including its
+    end-of-sequence token."""
     B, longest = len(prompts), max(map(len, prompts))
     pads = torch.tensor([longest - len(p) for p in prompts], device=model.device)
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
     cache = KVCache.for_model(model, capacity=longest + max_new_tokens, batch=B)
     slot_is_real = torch.arange(longest + max_new_tokens, device=model.device)[None] >= pads[:, None]  # [B, S]
 
+    def choose(logits):  # [B, V] -> [B]
+        if sampling.greedy:
+            return logits.argmax(-1)
+        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[:, 0]
+
     # prefill: causal over the real tokens; a padding row attends only to itself (it must see something)
     causal = torch.ones(longest, longest, dtype=torch.bool, device=model.device).tril()
     mask = (causal & slot_is_real[:, None, :longest]) | torch.eye(longest, dtype=torch.bool, device=model.device)
     positions = (torch.arange(longest, device=model.device)[None] - pads[:, None]).clamp(min=0)
     hidden = model.hidden_states(tokens, positions=positions, cache=cache, mask=mask)
-    next_tokens = model.logits(hidden[:, -1]).argmax(-1)  # [B]
+    next_tokens = choose(model.logits(hidden[:, -1]))  # [B]
 
     answers, done = [[] for _ in prompts], [False] * B
     for step in range(max_new_tokens):
@@ -108,32 +122,38 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
         S = cache.length + 1
         hidden = model.hidden_states(next_tokens[:, None], positions=(S - 1 - pads)[:, None], cache=cache,
                                      mask=slot_is_real[:, None, :S])
-        next_tokens = model.logits(hidden[:, -1]).argmax(-1)
+        next_tokens = choose(model.logits(hidden[:, -1]))
     return answers
 
 
 def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, max_new_tokens: int,
-                     batch_size: int = 16) -> list[dict]:
+                     batch_size: int = 16, sampling: Sampling = Sampling(), seed: int = 0) -> list[dict]:
     """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, shortest
-    prompt first. Returns all records."""
+    prompt first, greedy or sampled (batch i drawing from a generator seeded with seed + i, so a
+    resumed run draws what an uninterrupted one would, on the same device with the same batch size).
+    Returns all records."""
     count = len(prompts)
     done = read_records(out_file)
     if len(done) >= count:
         return done[:count]
+    done = done[:len(done) // batch_size * batch_size]  # whole batches: a resumed batch draws anew
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text("".join(json.dumps(r) + "\n" for r in done), encoding="utf-8")  # drops a cut line
     # shortest first: rows of a batch then have similar lengths, so little compute goes to padding
-    todo = sorted((tokenizer.prompt_ids(p, raw=False) for p in prompts), key=len)[len(done):]
+    todo = sorted((tokenizer.prompt_ids(p, raw=False) for p in prompts), key=len)
     started, made_tokens = time.perf_counter(), 0
     with out_file.open("a", encoding="utf-8") as f:
         for first in range(0, len(todo), batch_size):
             batch = todo[first:first + batch_size]
-            answers = greedy_batch(model, batch, max_new_tokens, tokenizer.eos_ids)
+            if first < len(done):
+                continue  # made before the interruption
+            generator = torch.Generator(model.device).manual_seed(seed + first // batch_size)
+            answers = answer_batch(model, batch, max_new_tokens, tokenizer.eos_ids, sampling, generator)
             for prompt_ids, answer_ids in zip(batch, answers):
                 f.write(json.dumps({"prompt_ids": prompt_ids, "answer_ids": answer_ids}) + "\n")
             f.flush()
             made_tokens += sum(map(len, answers))
-            finished = len(done) + first + len(batch)
+            finished = first + len(batch)
             rate = made_tokens / (time.perf_counter() - started)
             eta = (count - finished) * made_tokens / max(finished - len(done), 1) / rate
             print(f"\rself-distillation: {finished}/{count} answers, {rate:.0f} tokens/s, "

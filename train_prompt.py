@@ -18,7 +18,7 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 - Medusa-1 (Cai et al. 2024, section 2.2.1): medusa.medusa_loss, on the frozen base model's hidden
   states, computed once and cached beside the data;
 - APAR (Liu et al. 2024, sections 2.2 and 3.1): apar_finetune.apar_logits, the paragraph tree in one
-  pass with the tree attention mask; a rank-8 LoRA adapter plus the two control tokens' rows. APAR
+  pass with the tree attention mask; a rank-16 LoRA adapter plus the two control tokens' rows. APAR
   ends with held-out loss and how well [Fork] is placed instead of guess accuracies.
 """
 
@@ -36,18 +36,20 @@ from safetensors.torch import load_file, save_file
 import artifacts
 from apar import CHILD_TOKEN, FORK_TOKEN, ControlTokens
 from apar_finetune import (ADAPTED_LINEARS, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
-                           require_tied_embeddings)
+                           packs, require_tied_embeddings)
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
 from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
-from model import load_checkpoint
+from model import load_checkpoint, parse_device
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
+from sampling import Sampling
 from self_distill import generate_answers, training_prompts
 from tokenizer import Tokenizer
 
 VALIDATION_EVERY = 10  # every 10th answer is held out: accuracies and tree statistics come from these
 MAX_HEADS = 7
+SAMPLED = Sampling(temperature=0.7, top_p=0.9)  # APAR's extra self-distilled answers
 LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train nothing, silently
 
 
@@ -60,14 +62,22 @@ def data_file(model, folder: Path, args) -> Path:
 
 
 def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) records {"prompt_ids", "answer_ids"}, generated once and cached."""
+    """(training, held-out) records {"prompt_ids", "answer_ids"}, generated once and cached: the
+    greedy answer to every prompt and, for APAR, --sampled-answers more drawn at SAMPLED (the small
+    model's greedy answers loop more often than not; drawn ones far less). A prompt's answers are all
+    held out or all trained on."""
     path = args.data = data_file(model, folder, args)
     print(f"self-distilled answers: {path}", file=sys.stderr)
     choose = apar_prompts if args.command == "apar" else training_prompts
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
-    records = generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens)
-    held_out = [r for i, r in enumerate(records) if i % VALIDATION_EVERY == 0]
-    training = [r for i, r in enumerate(records) if i % VALIDATION_EVERY != 0]
+    files = [generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.answer_batch)]
+    for copy in range(getattr(args, "sampled_answers", 0)):
+        files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"), prompts,
+                                      max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
+                                      sampling=SAMPLED, seed=1_000_003 * copy))
+    held_out = [r for records in files for i, r in enumerate(records) if i % VALIDATION_EVERY == 0]
+    training = [r for records in files for i, r in enumerate(records) if i % VALIDATION_EVERY != 0]
     return training, held_out
 
 
@@ -130,22 +140,23 @@ def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict
 def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     require_tied_embeddings(model)
     control = ControlTokens.of(tokenizer)
-    training, held_out = (apar_examples(r, tokenizer, control) for r in (training, held_out))
+    training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share) for r in (training, held_out))
     kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
     print(f"APAR examples: {kinds} for training, {len(held_out)} held out", file=sys.stderr)
-    adapter = AparAdapter(model, control, args.rank, args.seed)
+    order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
+    adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
     handles = adapter.attach(model)
 
     def step_loss(step):
-        epoch, index = divmod(step, len(training))
-        order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed + epoch))
-        example = training[order[index]]
-        return F.cross_entropy(*apar_logits(model, adapter, control, example)), len(example.tree)
+        epoch, index = divmod(step, len(steps))
+        group = steps[torch.randperm(len(steps), generator=torch.Generator().manual_seed(args.seed + epoch))[index]]
+        return F.cross_entropy(*apar_logits(model, adapter, control, group)), sum(len(e.tree) for e in group)
 
     try:
-        run_steps(adapter, optimizer, args.epochs * len(training), step_loss, args)
-        evaluation = apar_evaluation(model, adapter, control, held_out)
+        run_steps(adapter, optimizer, args.epochs * len(steps), step_loss, args)
+        evaluation = apar_evaluation(model, adapter, control, held_out, args.batch_tokens)
     finally:
         for handle in handles:
             handle.remove()
@@ -208,7 +219,7 @@ def read_resume_point(path: Path) -> dict | None:
 def settings(args) -> dict:
     """The options that shape training: a resume point made with others is ignored."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss", "data")}
+            if k not in ("save_every", "final_loss", "data", "answer_batch")}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -231,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="longest self-distilled answer, 1..4096 tokens")
         sub.add_argument("--max-prompt-tokens", type=integer(1, 4096), default=max_prompt_tokens,
                          help="longer ShareGPT prompts are skipped (1..4096)")
+        sub.add_argument("--answer-batch", type=integer(1, 1024), default=16,
+                         help="prompts answered at once while making the data, 1..1024")
         if training:
             sub.add_argument("--out", type=Path, help="where to write NAME.safetensors and NAME.json "
                              "(default: trained/<method>-<model folder>)")
@@ -257,9 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
-                   "data: half list-style prompts)", records=112, max_new_tokens=448, max_prompt_tokens=128, epochs=2)
-    apar.add_argument("--rank", type=integer(1, 256), default=8, help="rank of the low-rank (LoRA) updates, 1..256")
-    apar.add_argument("--lr", type=LEARNING_RATE, default=3e-3, help="peak learning rate (cosine to 0)")
+                   "data: half list-style prompts)", records=3000, max_new_tokens=512, max_prompt_tokens=192, epochs=2)
+    apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
+                      help=f"answers per prompt drawn at temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}, "
+                           "beside the greedy one, 0..8")
+    apar.add_argument("--rank", type=integer(1, 256), default=16, help="rank of the low-rank (LoRA) updates, 1..256")
+    apar.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
+    apar.add_argument("--unstructured-share", type=number(0.0, 100.0), default=1.0,
+                      help="negative (unstructured) examples per structured one; the paper mixes 1:1")
+    apar.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the model answers and trains")
+    apar.add_argument("--batch-tokens", type=integer(64, 65536), default=2048,
+                      help="tokens per step: whole examples packed into one sequence")
     return p
 
 
@@ -282,7 +303,7 @@ def train_command(argv) -> None:
     folder = args.model if args.model is not None else default_model_dir()
     if args.command != "data":
         args.out = writable(args.out or artifacts.shipped_artifact(args.command, folder), "--out")
-    model = load_checkpoint(folder, torch.float32)
+    model = load_checkpoint(folder, torch.float32, parse_device(getattr(args, "device", "cpu")))
     model.requires_grad_(False)
     tokenizer = Tokenizer(folder)
     training, held_out = answers(model, tokenizer, folder, args)

@@ -4,10 +4,11 @@ merged adapter computes what the hooked training model did."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from apar import ControlTokens
+from apar import ControlTokens, generate_apar
 from apar_finetune import IGNORE, AparAdapter, apar_logits, apply_adapter, structure, training_example
-from helpers import random_model, tiny_hf_config
+from helpers import random_model, tiny_hf_config, tiny_model
 
 EOS = 2
 CONTROL = ControlTokens(fork=5, child=6)
@@ -28,11 +29,31 @@ Good luck!"""
 def test_an_ordered_list_becomes_roots_and_details():
     shape = structure(LIST_ANSWER)
     assert shape.kind == "list"
-    assert [p.root for p in shape.points] == ["Here are some tips:\n\n1. **Water regularly:**", "2. Sunlight:",
-                                              "3. Soil:"]
-    assert shape.points[1].detail == " Put them near a window so they get light.\n"
-    assert shape.tail == "Good luck!"
+    assert [p.root for p in shape.points] == ["Here are some tips:\n\n1. **Water regularly:**", "\n2. Sunlight:",
+                                              "\n3. Soil:"]
+    assert shape.points[1].detail == " Put them near a window so they get light."  # the separator moved on
+    assert shape.tail == "\n\nGood luck!"
     assert shape.text() == LIST_ANSWER
+
+
+def test_points_without_a_colon_have_their_first_words_as_root_and_bullets_count():
+    answer = ("Benefits:\n- Better sleep comes with regular exercise.\n- Stronger bones and joints over time.\n"
+              "- A calmer mind through the whole day.\n")
+    shape = structure(answer)
+    assert shape.kind == "list"
+    assert [p.root for p in shape.points] == ["Benefits:\n- Better sleep comes", "\n- Stronger bones and",
+                                              "\n- A calmer mind"]
+    assert shape.points[0].detail == " with regular exercise." and shape.tail == "\n"
+    assert shape.text() == answer
+
+
+@pytest.mark.parametrize("answer", [
+    "Here are some:\n\n1. Dr. Anna Karp writes well.\n2. Dr. Anna Karp writes well.\n3. Dr. Anna Karp writes well.\n"
+    "4. Dr. Anna Karp writes well.",
+    "It is good. " + "It is good because it is good and it is good for you. " * 6,
+])
+def test_answers_that_loop_are_set_apart(answer):
+    assert structure(answer).kind == "repetitive"
 
 
 
@@ -43,8 +64,9 @@ def test_paragraphs_split_at_their_first_sentence():
     shape = structure(answer)
     assert shape.kind == "paragraphs"
     assert [p.root for p in shape.points] == ["Paris is the capital of France.",
-                                              "One line only here.\n\nThe city has many cafes."]
-    assert shape.tail == "Visit soon."
+                                              "\n\nOne line only here.\n\nThe city has many cafes."]
+    assert shape.points[0].detail == " It is known for its museums."
+    assert shape.tail == "\n\nVisit soon."
     assert shape.text() == answer
 
 
@@ -93,7 +115,7 @@ def test_the_training_layout_hides_details_from_each_other_and_never_teaches_chi
         assert labels[under(child)[-1]] == EOS
     assert not any(mask[i, children[0]] for i in under(children[1]))  # details never see each other
     second_root = next(i for i in range(len(tree.tokens)) if tree.parents[i] == forks[0] and i not in children)
-    assert labels[forks[0]] == tree.tokens[second_root] == tok.encode("2")[0]  # after [Fork]: the next point
+    assert labels[forks[0]] == tree.tokens[second_root] == tok.encode("\n")[0]  # after [Fork]: the separator, then "2."
     assert not mask[second_root, children[0]] and mask[second_root, forks[0]]  # roots never see details
 
 
@@ -121,13 +143,13 @@ def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_
     handles = adapter.attach(model)
     losses = []
     for _ in range(8):
-        loss = torch.nn.functional.cross_entropy(*apar_logits(model, adapter, CONTROL, example))
+        loss = torch.nn.functional.cross_entropy(*apar_logits(model, adapter, CONTROL, [example]))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     with torch.no_grad():
-        trained, _ = apar_logits(model, adapter, CONTROL, example)
+        trained, _ = apar_logits(model, adapter, CONTROL, [example])
     for handle in handles:
         handle.remove()
     assert losses[-1] < losses[0]
@@ -140,3 +162,60 @@ def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_
     learned = torch.tensor(example.labels) != IGNORE
     torch.testing.assert_close(logits[0, learned], trained, rtol=0, atol=1e-9)
 
+
+
+# ---- flatten -> RESTORE: the training format and the engine agree, byte for byte ---------------
+
+WORDS = ["plants", "need", "water", "light", "café", "naïve", "soil", "grow", "well", "every", "day", "42", "—", "(see)"]
+word_run = st.lists(st.sampled_from(WORDS), min_size=2, max_size=7).map(" ".join)
+sentence = word_run.map(lambda words: words[0].upper() + words[1:] + ".")
+
+
+@st.composite
+def answers(draw):
+    """Answers shaped like the default model's: a preamble, numbered or bulleted points whose root is
+    "**Root:**", "Root:" or just their first words, one or two newlines between points, a tail; or
+    paragraphs of one to three sentences."""
+    if draw(st.booleans()):
+        style, gap = draw(st.sampled_from(["**{}:**", "{}:", "{}"])), draw(st.sampled_from(["\n", "\n\n"]))
+        points = []
+        for number in range(1, draw(st.integers(3, 5)) + 1):
+            marker = draw(st.sampled_from([f"{number}.", "-"]))
+            points.append(f"{marker} {style.format(draw(word_run))} {draw(sentence)} {draw(sentence)}")
+        preamble = draw(st.sampled_from(["", "Here are some tips:\n\n", "Sure!\n"]))
+        return preamble + gap.join(points) + draw(st.sampled_from(["", "\n", "\n\nGood luck!"]))
+    paragraphs = [" ".join(draw(st.lists(sentence, min_size=1, max_size=3))) for _ in range(draw(st.integers(2, 4)))]
+    return "\n\n".join(paragraphs)
+
+
+def scripted_threads(example):
+    """What each thread of `example`'s tree writes next, keyed by the thread's whole sequence."""
+    tree, script = example.tree, {}
+    for node, label in enumerate(example.labels):
+        if label != IGNORE:
+            sequence, at = [], node
+            while at >= 0:
+                sequence.append(tree.tokens[at])
+                at = tree.parents[at]
+            script[tuple(reversed(sequence))] = label
+    return script
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(answer=answers())
+def test_flatten_then_restore_gives_the_answer_back_byte_for_byte(default_tokenizer, answer):
+    """Cut an answer into a paragraph tree by the data rules (as training does), let the engine run
+    the threads writing exactly what the tree says, and RESTORE: the real tokenizer decodes the
+    original string, separators included (no glued points, no doubled newlines)."""
+    tok = default_tokenizer
+    control = ControlTokens.of(tok)
+    eos = min(tok.eos_ids)
+    shape = structure(answer)
+    assume(shape.kind in ("list", "paragraphs"))
+    example = training_example([1, 2, 3], tok.encode(answer) + [eos], tok, control)
+    script = scripted_threads(example)
+    model = tiny_model(0, vocab=49152, max_positions=1024, layers=1)
+    gen = generate_apar(model, [1, 2, 3], control, max_new_tokens=len(example.tree), eos_ids={eos},
+                        choose=lambda logits, thread: script[tuple(thread.tokens)])
+    assert gen.stop_reason == "eos" and gen.threads == 1 + len(shape.points)
+    assert tok.decode(gen.token_ids) == answer

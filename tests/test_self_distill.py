@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_model
 from decode import generate
-from self_distill import greedy_batch, word_ngrams
+from self_distill import answer_batch, word_ngrams
 
 VOCAB = 16
 MODEL = tiny_model(3, vocab=VOCAB)
@@ -16,7 +16,7 @@ MODEL = tiny_model(3, vocab=VOCAB)
 @given(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), min_size=1, max_size=5),
        max_new=st.integers(1, 20), eos=st.sets(st.integers(0, VOCAB - 1), max_size=2))
 def test_batched_greedy_equals_one_prompt_at_a_time(prompts, max_new, eos):
-    batch = greedy_batch(MODEL, prompts, max_new, eos)
+    batch = answer_batch(MODEL, prompts, max_new, eos)
     for prompt, answer in zip(prompts, batch):
         assert answer == generate(MODEL, prompt, max_new_tokens=max_new, eos_ids=eos).token_ids
 

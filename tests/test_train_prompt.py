@@ -67,5 +67,5 @@ def test_each_subcommand_has_its_own_defaults():
     ppd, medusa, apar = (vars(parser.parse_args([name])) for name in ["ppd", "medusa", "apar"])
     assert (ppd["records"], ppd["max_new_tokens"], ppd["max_prompt_tokens"], ppd["epochs"]) == (480, 192, 192, 1)
     assert (medusa["records"], medusa["epochs"]) == (480, 4)
-    assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (112, 448, 128, 2)
+    assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (3000, 512, 192, 2)
     assert vars(parser.parse_args(["data"]))["records"] == 480
