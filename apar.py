@@ -32,21 +32,36 @@ Control tokens: the default model's tokenizer has no spare ids, so two special t
 never writes stand in for [Fork] and [Child] (FORK_TOKEN, CHILD_TOKEN). Their embedding rows (tied to
 the LM head) are retrained with the adapter; the vocabulary does not grow.
 
+APAR + a guesser (section 3.2's Medusa-APAR, here with ANPD's n-grams or Lookahead's trie, which need
+no training): every thread has a drafter of its own, fed its own sequence, and in the same one pass
+each thread's pending token is the root of its own candidate tree. Every row sees its thread's slots
+and its ancestors in its own tree; each thread's tree is verified on its own (verify.py, greedy or
+exact speculative sampling), so a thread's tokens are exactly those it would write without guesses.
+Threads accept different numbers of guesses: the paper pads them to the longest and masks the rest
+(appendix C.1); here each thread simply keeps the slots of its accepted path and gives the others
+back, so nothing is padded. A [Fork] among the accepted guesses forks there.
+
 Read in this order: `AparEngine` and `generate_apar` (Algorithm 1), `step` (one pass for every live
-thread), `Thread.fork`, `finish_if_done` (RELEASECACHE), `SlotCache`, `restore`. The fine-tuning
-that makes the model fork (data rules, the adapter, the loss) is apar_finetune.py.
+thread), `advance` (a thread's verdict: fork, append, keep its accepted slots), `Thread.fork`,
+`finish_if_done` (RELEASECACHE), `SlotCache`, `restore`. The fine-tuning that makes the model fork
+(data rules, the adapter, the loss) is apar_finetune.py.
 """
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
+from drafters import Drafter, Request
 from errors import UserError
 from kv_cache import KVCache
 from meter import Meter
 from model import causal_mask, require_finite, room_for_new_tokens
-from sampling import Sampling, choose_token
+from sampling import Sampling
+from tree import Tree
+from verify import Verdict, verify
 
 FORK_TOKEN = "<jupyter_script>"  # [Fork]
 CHILD_TOKEN = "<empty_output>"  # [Child]
@@ -136,7 +151,10 @@ class Thread:
     tokens: list[int]
     slots: list[int]
     paragraph: Paragraph  # the leaf it writes into (s.current_node)
+    drafter: Drafter | None = None  # its own guesser (APAR + a guesser), told only its own sequence
     finished: bool = False
+    passes: int = 0  # forward passes whose verdict it took (the last one may be cut by the budget)
+    chosen: int = 0  # tokens it chose in them: accepted guesses and bonus tokens
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
@@ -162,33 +180,51 @@ class AparGeneration:
     tokens_sampled: int = 0  # by all threads: the answer plus [Fork]s and EOSs
     max_cached_tokens: int = 0  # peak K/V slots in use (prompt included)
     attended_tokens: int = 0  # summed over every token fed after the prefill: the slots its row saw
-    tokens_fed: int = 0  # tokens fed after the prefill (threads x steps, [Child]s included)
+    tokens_fed: int = 0  # tokens fed after the prefill (pending tokens, guesses and [Child]s)
+    guesses_proposed: int = 0  # guessed tokens fed (APAR + a guesser)
+    guesses_accepted: int = 0  # of those, tokens that became some thread's
+    thread_tokens_per_pass: list[float] = field(default_factory=list)  # per thread: tokens chosen per verdict
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0
 
 
 @dataclass
 class AparEngine:
-    """The APAR model (the base model with the adapter merged, apar_finetune.load_apar_model) and its
-    control tokens: what `--method apar` runs instead of the guess-and-verify loop."""
+    """The APAR model (the base model with the adapter merged, apar_finetune.load_apar_model), its
+    control tokens and, optionally, a guesser (() -> a Drafter) giving each thread a drafter of its own:
+    what `--method apar` runs instead of the guess-and-verify loop."""
     model: torch.nn.Module
     control: ControlTokens
+    guesser: Callable[[], Drafter] | None = None
 
     def generate(self, prompt_ids: list[int], **options) -> "AparGeneration":
-        return generate_apar(self.model, prompt_ids, self.control, **options)
+        return generate_apar(self.model, prompt_ids, self.control, guesser=self.guesser, **options)
+
+
+MAX_GUESSES_PER_PASS = 32  # guessed tokens fed in one pass over all threads (they share one forward pass)
 
 
 def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_new_tokens: int,
                   eos_ids: set[int], sampling: Sampling = Sampling(), generator=None,
+                  guesser: Callable[[], Drafter] | None = None, max_guesses: int = MAX_GUESSES_PER_PASS,
                   choose=None) -> AparGeneration:
-    """Decode one prompt with APAR. `choose(logits [V], thread) -> token` picks each thread's next
-    token (default: the sampling rule, never [Child], which only the engine writes); tests pass a
-    scripted one. At most `max_new_tokens` tokens are sampled over all threads."""
+    """Decode one prompt with APAR. `guesser()` (optional) makes each new thread's drafter; a pass
+    feeds at most `max_guesses` guesses over all threads (each live thread gets an even share of them,
+    cut from its tree). Each thread's tree is verified on its own (`verifier`); tests pass `choose(logits
+    [V], thread) -> token` instead, to script threads that guess nothing. At most `max_new_tokens`
+    tokens are chosen over all threads."""
     context = model.config.max_positions
     budget = room_for_new_tokens(model, prompt_ids, max_new_tokens)
-    choose = choose or default_chooser(control, sampling, generator)
-    # every sampled token and every forced [Child] (at most one per sampled [Fork]) takes a slot
-    cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget)
+    judge = verifier(control, sampling, generator) if choose is None else scripted(choose)
+
+    def started(thread: Thread) -> Thread:  # a new thread's drafter learns the thread's own sequence
+        if guesser is not None:
+            thread.drafter = guesser()
+            thread.drafter.begin(Request(thread.tokens, sampling, generator))
+        return thread
+
+    # every chosen token and every forced [Child] (at most one per [Fork]) is fed once; guesses on top
+    cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget + (max_guesses if guesser else 0))
     meter = Meter(model.device)
 
     root_paragraph = Paragraph()
@@ -198,8 +234,10 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
                                  cache=cache, mask=causal_mask(0, len(prompt_ids), model.device))  # slots 0..P-1
     meter.count(forward_passes=1)
     group = [root]
-    root.append(choose(require_finite(model.logits(hidden[0, -1]), model), root))
-    sampled, stop_reason = 1, ""  # tokens sampled over all threads
+    first = judge(Tree.chain(prompt_ids[-1], []), require_finite(model.logits(hidden[0, -1:]), model), root)
+    root.append(first.tokens[0])
+    started(root)
+    chosen, stop_reason = 1, ""  # tokens chosen over all threads
     finish_if_done(root, eos_ids, cache, group)
     while not stop_reason:
         live = [thread for thread in group if not thread.finished]
@@ -209,43 +247,90 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
         if max(len(t.tokens) for t in live) > context:  # a pending token's position is len - 1
             stop_reason = "context"
             break
-        logits = step(model, cache, live, meter)  # [N, V]
-        for thread, row in zip(live, logits):
-            if sampled == budget:
+        trees = [proposal(thread, max_guesses // len(live), min(budget - chosen - 1, context - len(thread.tokens)))
+                 for thread in live]
+        logits, tree_slots = step(model, cache, live, trees, meter)  # per thread: [N_i, V], its N_i slots
+        for thread, tree, rows, slots in zip(live, trees, logits, tree_slots):
+            if chosen == budget:
                 stop_reason = "max_new_tokens"
                 break
-            token = choose(row, thread)
-            sampled += 1
-            if thread.tokens[-1] == control.fork:
-                group.append(thread.fork(control.child))
-            thread.append(token)
+            verdict = judge(tree, rows, thread)
+            new_tokens = advance(thread, verdict, slots, budget - chosen, control, eos_ids, group, started)
+            chosen += new_tokens
+            kept = set(thread.slots[-len(slots):])  # the pending token's and the accepted guesses'
+            cache.release([slot for slot in slots if slot not in kept])  # rejected, unreached, after an EOS
+            meter.count(guesses_proposed=tree.draft_size, guesses_accepted=min(new_tokens, verdict.accepted_guesses))
             finish_if_done(thread, eos_ids, cache, group)
     control_ids = {control.fork, control.child} | set(eos_ids)
     return AparGeneration([t for t in restore(root_paragraph) if t not in control_ids], stop_reason,
                           threads=len(group), forward_passes=meter.counts["forward_passes"],
-                          tokens_sampled=sampled, max_cached_tokens=cache.peak,
+                          tokens_sampled=chosen, max_cached_tokens=cache.peak,
                           attended_tokens=meter.counts["attended_tokens"], tokens_fed=meter.counts["tokens_fed"],
+                          guesses_proposed=meter.counts["guesses_proposed"],
+                          guesses_accepted=meter.counts["guesses_accepted"],
+                          thread_tokens_per_pass=[t.chosen / t.passes for t in group if t.passes],
                           decode_seconds=meter.elapsed(), kv_cache_bytes=cache.memory_bytes())
 
 
-def step(model, cache: SlotCache, live: list[Thread], meter: Meter) -> torch.Tensor:
-    """ONE forward pass feeding every live thread's pending token; each row attends to its own
-    thread's slots only. Returns the logits [N, V]."""
-    for thread, slot in zip(live, cache.allocate(len(live))):
-        thread.slots.append(slot)
-    mask = torch.zeros(len(live), cache.length, dtype=torch.bool)  # [N, S]
-    for row, thread in enumerate(live):
-        mask[row, thread.slots] = True
-    tokens = torch.tensor([[thread.tokens[-1] for thread in live]], device=model.device)  # [1, N]
-    positions = torch.tensor([len(thread.slots) - 1 for thread in live], device=model.device)  # [N]
-    hidden = model.hidden_states(tokens, positions=positions, cache=cache, mask=mask.to(model.device))
-    meter.count(forward_passes=1, tokens_fed=len(live), attended_tokens=sum(len(t.slots) for t in live))
-    return model.logits(hidden[0])
+def proposal(thread: Thread, share: int, max_depth: int) -> Tree:
+    """The tree a thread feeds: its pending token and, from its drafter, at most `share` guesses, none
+    deeper than `max_depth` (the tokens still wanted, the context)."""
+    if thread.drafter is None or share == 0 or max_depth <= 0:
+        return Tree.chain(thread.tokens[-1], [])
+    tree = thread.drafter.propose().truncated(max_depth)
+    return tree.subtree(range(min(len(tree), share + 1)))  # parents come first: a prefix is a tree
+
+
+def step(model, cache: SlotCache, live: list[Thread], trees: list[Tree], meter: Meter):
+    """ONE forward pass feeding every live thread's tree (its pending token, then its guesses). A row
+    sees its thread's slots and its own ancestors in the tree, at position (tokens the thread has fed)
+    + depth. The pending token's slot joins its thread at once. Returns, per thread, the logits
+    [N_i, V] and the slots of its tree's N_i nodes."""
+    sizes = [len(tree) for tree in trees]
+    slots = cache.allocate(sum(sizes))
+    tree_slots = [slots[start:start + size] for start, size in zip(accumulate([0] + sizes), sizes)]
+    mask = torch.zeros(len(slots), cache.length, dtype=torch.bool)  # [R, S]: R rows over all threads
+    positions, row = [], 0
+    for thread, tree, own in zip(live, trees, tree_slots):
+        rows = mask[row:row + len(tree)]  # a view: writing it writes the mask
+        rows[:, thread.slots] = True
+        rows[:, own] = tree.ancestor_mask()  # [N_i, N_i]
+        positions += [len(thread.slots) + depth for depth in tree.depths]
+        row += len(tree)
+        thread.slots.append(own[0])
+    tokens = torch.tensor([[token for tree in trees for token in tree.tokens]], device=model.device)  # [1, R]
+    hidden = model.hidden_states(tokens, positions=torch.tensor(positions, device=model.device), cache=cache,
+                                 mask=mask.to(model.device))
+    meter.count(forward_passes=1, tokens_fed=len(slots), attended_tokens=int(mask.sum()))
+    return model.logits(hidden[0]).split(sizes), tree_slots
+
+
+def advance(thread: Thread, verdict: Verdict, slots: list[int], room: int, control: ControlTokens,
+            eos_ids: set[int], group: list[Thread], started) -> int:
+    """Take a thread's verdict token by token, at most `room` of them: fork when the token before was
+    [Fork] (a guessed [Fork] forks where it stands), append, keep the slot of each accepted guess (it
+    was fed there), stop at EOS. Returns how many tokens the thread chose."""
+    new_tokens = verdict.tokens[:room]
+    for i, token in enumerate(new_tokens):
+        if thread.tokens[-1] == control.fork:
+            group.append(started(thread.fork(control.child)))
+        thread.append(token)
+        if i + 1 < len(verdict.path):  # an accepted guess, not the bonus token
+            thread.slots.append(slots[verdict.path[i + 1]])
+        if token in eos_ids:
+            new_tokens = new_tokens[:i + 1]
+            break
+    thread.passes += 1
+    thread.chosen += len(new_tokens)
+    if thread.drafter is not None:
+        thread.drafter.extend(new_tokens)
+    return len(new_tokens)
 
 
 def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: list[Thread]) -> None:
-    """A thread that wrote EOS ends (its EOS is never fed) and gives back the slots that no live
-    thread attends to: its own tokens since its last fork that has a live child (RELEASECACHE)."""
+    """A thread that wrote EOS ends (its EOS is fed only as an accepted guess) and gives back the slots
+    that no live thread attends to: its own tokens since its last fork that has a live child
+    (RELEASECACHE)."""
     if thread.tokens[-1] not in eos_ids:
         return
     thread.finished = True
@@ -253,14 +338,23 @@ def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: l
     cache.release([slot for slot in thread.slots if slot not in still_needed])
 
 
-def default_chooser(control: ControlTokens, sampling: Sampling, generator):
-    """The sampling rule over every token but [Child]: only the engine writes [Child] (its embedding
-    is trained as an input, and tied to the LM head, so the model might otherwise pick it)."""
-    def choose(logits: torch.Tensor, thread: Thread) -> int:
+def verifier(control: ControlTokens, sampling: Sampling, generator):
+    """Each thread's tree is verified on its own (verify.py: greedy, or exact speculative sampling),
+    over every token but [Child]: only the engine writes [Child] (its embedding is trained as an
+    input, and tied to the LM head, so the model might otherwise pick it)."""
+    def judge(tree: Tree, logits: torch.Tensor, thread: Thread) -> Verdict:
         logits = logits.clone()
-        logits[control.child] = float("-inf")
-        return choose_token(logits, sampling, generator)
-    return choose
+        logits[:, control.child] = float("-inf")
+        return verify(tree, logits, sampling, generator)
+    return judge
+
+
+def scripted(choose):
+    """Tests' threads: `choose(logits [V], thread)` picks each token, and nothing is guessed."""
+    def judge(tree: Tree, logits: torch.Tensor, thread: Thread) -> Verdict:
+        assert tree.draft_size == 0, "scripted threads guess nothing"
+        return Verdict.of(tree, [0], choose(logits[0], thread))
+    return judge
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -284,11 +378,17 @@ def statistics(gen: AparGeneration, prompt_length: int) -> dict:
         "decode_seconds": round(gen.decode_seconds, 4),
         "tokens_per_second": round(new / gen.decode_seconds, 3),
         "kv_cache_bytes": gen.kv_cache_bytes,
+        "guesses_proposed": gen.guesses_proposed,
+        "guesses_accepted": gen.guesses_accepted,
+        "thread_tokens_per_pass": [round(tau, 3) for tau in gen.thread_tokens_per_pass],  # tau of each thread
     }
 
 
 def summary_line(stats: dict) -> str:
+    taus = stats["thread_tokens_per_pass"]
+    guessed = (f"{stats['guesses_accepted']}/{stats['guesses_proposed']} guesses accepted, tau per thread "
+               f"{min(taus):.2f}..{max(taus):.2f}, " if stats["guesses_proposed"] else "")
     return (f"[apar: {stats['new_tokens']} new tokens ({stats['stop_reason']}), {stats['threads']} threads, "
-            f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass, "
+            f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass, {guessed}"
             f"max cached {stats['max_cached_tokens']} tokens (flattened {stats['flattened_max_cached_tokens']}), "
             f"{stats['tokens_per_second']:.1f} tokens/s, {stats['decode_seconds']:.2f}s]")

@@ -49,7 +49,7 @@ import artifacts
 from apar import AparEngine, ControlTokens
 from cpu_kernels import prepare_tree_kernels
 from errors import UserError
-from self_distill import training_prompts, usable_prompts
+from self_distill import VALIDATION_EVERY, training_prompts, usable_prompts
 from tree import Tree
 
 LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
@@ -69,6 +69,13 @@ def apar_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
     lists = list(itertools.islice(usable_prompts(tokenizer, max_prompt_tokens, looks_list_style), count))
     others = training_prompts(count - len(lists), tokenizer, max_prompt_tokens, lambda p: not looks_list_style(p))
     return lists + others
+
+
+def held_out_list_prompts(tokenizer, records: int, max_prompt_tokens: int) -> list[str]:
+    """The list-style prompts of apar_prompts(records, ...) whose answers train_prompt.py held out (every
+    VALIDATION_EVERY-th prompt): an adapter trained with these settings never saw their answers."""
+    prompts = apar_prompts(records, tokenizer, max_prompt_tokens)
+    return [p for i, p in enumerate(prompts) if i % VALIDATION_EVERY == 0 and looks_list_style(p)]
 
 
 # ---- structure: the text rules of appendix B ----------------------------------------------------

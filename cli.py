@@ -26,7 +26,7 @@ from convert import default_model_dir
 from cpu_kernels import prepare_tree_kernels
 from decode import Generation, generate
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program
-from methods import METHODS, OPTIONS, Method, build_drafter, calibration_name, methods_taking, trained_path
+from methods import APAR_GUESSERS, METHODS, OPTIONS, Method, build_drafter, calibration_name, methods_taking, trained_path
 from model import DTYPES, load_checkpoint, parse_device, room_for_new_tokens
 from sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
 from show_tree import TreePrinter
@@ -168,7 +168,12 @@ def check_args(args, parser) -> None:
     rules = [(dest, acts, where) for dest, (acts, where) in ACTS_ONLY.items()]
     if method.size is not None:  # --calibrate tries every size itself
         rules.append((method.size.option, decoding_prompts, "decoding prompts (--calibrate tries every size)"))
+    if args.method == "apar":  # a guesser's options act only with that guesser
+        rules += [(dest, lambda args, name=name: args.apar_guesses == name, f"--apar-guesses {name}")
+                  for name, dests in APAR_GUESSERS.items() for dest in dests]
     refuse_idle_options(args, parser, rules, [args.method])
+    if args.acceptance == "typical" and args.method == "apar" and args.apar_guesses != "none":
+        raise UserError("--acceptance typical: APAR verifies each thread's guesses exactly, never lossily")
     if args.acceptance == "typical" and not method.guesses:
         raise UserError(f"--acceptance typical needs a method that guesses ({args.method} guesses nothing)")
     if args.calibrate and (args.prompt is not None or args.prompt_file is not None):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import medusa
 import ppd
+from apar import MAX_GUESSES_PER_PASS
 from apar_finetune import load_apar_model
 from artifacts import shipped_artifact
 from calibrate import calibrated_rows, machine_latency
@@ -107,6 +108,28 @@ def auto_drafter(options, model, tokenizer, latency: Latency):
                             soft, latency)
 
 
+# --apar-guesses: each thread's own drafter, and the options that size it
+APAR_GUESSERS = {"anpd": ("ngram_n", "ngram_k"), "lookahead": ("decoding_length", "branch_length")}
+
+
+def apar_guesser(options) -> Callable[[], Drafter] | None:
+    """--apar-guesses: what makes each APAR thread's own drafter, sized by that method's own options."""
+    if options.apar_guesses == "anpd":
+        return lambda: NGramDrafter(options.ngram_n, options.ngram_k or NGramDrafter.DEFAULT_K)
+    if options.apar_guesses == "lookahead":
+        return lambda: TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
+                                   options.branch_length)
+    return None
+
+
+def apar_engine(options, model, tokenizer):
+    """--method apar: the model with the adapter merged and, with --apar-guesses, a drafter per thread
+    (apar.py: APAR + a guesser)."""
+    engine = load_apar_model(model, tokenizer, trained_path("apar", options))
+    engine.guesser = apar_guesser(options)
+    return engine
+
+
 METHODS = {m.name: m for m in [
     Method("vanilla", "plain autoregressive decoding, one forward pass per token", "", guesses=False,
            drafter=lambda options, model, tokenizer, rows, latency: Drafter()),
@@ -136,8 +159,8 @@ METHODS = {m.name: m for m in [
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
-           ("trained",), trained=True, guesses=False,
-           engine=lambda options, model, tokenizer: load_apar_model(model, tokenizer, trained_path("apar", options))),
+           ("trained", "apar_guesses", "ngram_n", "ngram_k", "decoding_length", "branch_length"),
+           trained=True, guesses=False, engine=apar_engine),
     Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
            "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
            "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
@@ -177,6 +200,12 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
     "gamma": ("--gamma", dict(
         type=integer(1, DraftModelDrafter.MAX_GAMMA), default=DraftModelDrafter.DEFAULT_GAMMA, metavar="N",
         help=f"tokens the draft guesses per step, 1..{DraftModelDrafter.MAX_GAMMA}")),
+    "apar_guesses": ("--apar-guesses", dict(
+        default="none", choices=["none", *APAR_GUESSERS],
+        help="APAR + a guesser: every thread gets its own ANPD or Lookahead drafter, and each thread's guesses "
+             "are verified in the same forward pass as all threads' (exactly: each thread writes what it would "
+             "without guesses). A thread's tree is sized by --ngram-n/--ngram-k or --decoding-length/"
+             f"--branch-length; a pass feeds at most {MAX_GUESSES_PER_PASS} guesses over all threads")),
     "trained": ("--trained", dict(
         type=Path, metavar="PATH",
         help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "

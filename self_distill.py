@@ -31,6 +31,8 @@ from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, target_probs
 
+VALIDATION_EVERY = 10  # every 10th prompt's answers are held out: accuracies and tree statistics come from these
+
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 13  # words: Brown et al. 2020's overlap length
 

@@ -44,10 +44,9 @@ from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint, parse_device
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
 from sampling import Sampling
-from self_distill import generate_answers, training_prompts
+from self_distill import VALIDATION_EVERY, generate_answers, training_prompts
 from tokenizer import Tokenizer
 
-VALIDATION_EVERY = 10  # every 10th answer is held out: accuracies and tree statistics come from these
 MAX_HEADS = 7
 SAMPLED = Sampling(temperature=0.7, top_p=0.9)  # APAR's extra self-distilled answers
 LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train nothing, silently

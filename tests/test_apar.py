@@ -5,6 +5,7 @@ test_apar_finetune.py.)"""
 
 import json
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ import apar
 from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
 from apar_finetune import POINT, repetitive
 from cli import main
-from helpers import cheap, random_model, tiny_hf_config, tiny_model
+from drafters import Drafter, NGramDrafter, TrieDrafter
+from helpers import cheap, chi_square_p_value, path_to, random_model, tiny_hf_config, tiny_model
 from model import causal_mask
+from sampling import Sampling, target_probs
+from tree import Tree
 
 VOCAB, EOS = 64, 2
 CONTROL = ControlTokens(fork=5, child=6)
@@ -117,8 +121,8 @@ def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
     model = model_of(1)
     plain_step, observed, observed_cache = apar.step, [], []
 
-    def checked_step(model, cache, live, out):
-        logits = plain_step(model, cache, live, out)
+    def checked_step(model, cache, live, trees, meter):
+        logits = plain_step(model, cache, live, trees, meter)
         needed = set().union(*(thread.slots for thread in live))
         observed.append((cache.in_use, len(needed)))
         observed_cache[:] = [cache]
@@ -176,6 +180,166 @@ def test_apar_statistics_compare_with_the_flattened_answer():
     assert stats["attended_tokens"] == 5.0 and stats["parallel"] and stats["tokens_per_pass"] == 2.0
 
 
+# ---- APAR + a guesser ----------------------------------------------------------------------------
+
+def forking_model(seed: int):
+    """A tiny float64 model whose greedy threads fork and end now and then: the [Fork] and EOS rows of
+    its LM head read one hidden coordinate each, so they win where that coordinate is large."""
+    model = random_model(tiny_hf_config(vocab=VOCAB, max_position_embeddings=256), seed=seed)
+    with torch.no_grad():
+        for token, coordinate in [(CONTROL.fork, 0), (EOS, 1)]:
+            model.lm_head.weight[token] = 0
+            model.lm_head.weight[token, coordinate] = 3.0
+    return model
+
+
+class Scattershot(Drafter):
+    """Random trees over [Fork], [Child], EOS and a few ordinary tokens: mostly wrong, but where the
+    model's choice is a control token or EOS, such guesses are accepted in the middle of a path."""
+
+    max_draft_tokens = 6
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def propose(self):
+        tokens, parents = [self.history[-1]], [-1]
+        for _ in range(self.rng.randint(0, self.max_draft_tokens)):
+            parents.append(self.rng.randrange(len(tokens)))
+            tokens.append(self.rng.choice([CONTROL.fork, CONTROL.child, EOS, 7, 8, 9]))
+        return Tree(tokens, parents)
+
+
+GUESSERS = {"anpd": lambda seed: NGramDrafter(3, 4), "lookahead": lambda seed: TrieDrafter(6, 4),
+            "scattershot": Scattershot}
+
+
+@given(seed=st.integers(0, 7), prompt=st.lists(st.integers(7, VOCAB - 1), min_size=1, max_size=5),
+       guesser=st.sampled_from(sorted(GUESSERS)), max_guesses=st.integers(1, 12), draft_seed=st.integers(0, 99))
+def test_guesses_change_the_passes_not_the_answer(seed, prompt, guesser, max_guesses, draft_seed):
+    """APAR + a guesser, greedy: every thread writes what it writes without guesses, so an answer whose
+    threads all end gives the same restored tokens, threads and tokens chosen in fewer or equal passes
+    (the budget may cut threads at other points, as they advance at other speeds; it stops both)."""
+    model = forking_model(seed)
+    plain = generate_apar(model, prompt, CONTROL, max_new_tokens=200, eos_ids={EOS})
+    guessed = generate_apar(model, prompt, CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=max_guesses,
+                            guesser=lambda: GUESSERS[guesser](draft_seed))
+    assert guessed.stop_reason == plain.stop_reason
+    if plain.stop_reason == "eos":
+        assert guessed.token_ids == plain.token_ids and guessed.threads == plain.threads
+        assert guessed.tokens_sampled == plain.tokens_sampled
+        assert guessed.forward_passes <= plain.forward_passes
+    assert guessed.guesses_accepted <= guessed.guesses_proposed
+
+
+def test_a_guesser_saves_passes_on_threads_that_fork(monkeypatch):
+    """The property above is not vacuous: on these models some threads fork, guesses are accepted
+    (a guessed [Fork] among them), passes are saved, and the slots are all free at the end."""
+    accepted_forks, caches, plain_allocate = [], [], SlotCache.allocate
+    plain_advance = apar.advance
+
+    def advance(thread, verdict, *rest):
+        accepted_forks.append(verdict.tokens[:verdict.accepted_guesses].count(CONTROL.fork))
+        return plain_advance(thread, verdict, *rest)
+
+    def allocate(cache, count):
+        caches.append(cache)
+        return plain_allocate(cache, count)
+
+    monkeypatch.setattr(apar, "advance", advance)
+    monkeypatch.setattr(SlotCache, "allocate", allocate)
+    model = forking_model(3)
+    plain = generate_apar(model, [7, 8, 9], CONTROL, max_new_tokens=200, eos_ids={EOS})
+    guessed = generate_apar(model, [7, 8, 9], CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=8,
+                            guesser=lambda: NGramDrafter(3, 4))
+    assert plain.stop_reason == "eos" and plain.threads > 3 and guessed.token_ids == plain.token_ids
+    assert guessed.guesses_accepted > 0 and sum(accepted_forks) > 0
+    assert guessed.forward_passes < plain.forward_passes
+    assert max(guessed.thread_tokens_per_pass) > 1 and caches[-1].in_use == 0
+
+
+@given(seed=st.integers(0, 3), draft_seed=st.integers(0, 10**6), max_guesses=st.integers(1, 12))
+def test_every_guess_sees_exactly_its_threads_sequence_and_its_own_ancestors(seed, draft_seed, max_guesses):
+    """With guesses in the pass, a row's logits are those of its thread's sequence followed by the
+    guesses on its tree path, run alone: the mask and positions of every thread's tree are right,
+    and no slot a thread still attends to was handed to another token."""
+    model = forking_model(seed)
+    plain_step, rows_seen = apar.step, []
+
+    def recording_step(model, cache, live, trees, meter):
+        sequences = [[*thread.tokens[:-1], *(tree.tokens[n] for n in path_to(tree, node))]
+                     for thread, tree in zip(live, trees) for node in range(len(tree))]
+        logits, slots = plain_step(model, cache, live, trees, meter)
+        rows_seen.extend(zip(sequences, torch.cat(logits)))
+        return logits, slots
+
+    apar.step = recording_step  # (not monkeypatch: hypothesis runs many examples per fixture)
+    try:
+        generate_apar(model, [7, 8, 9], CONTROL, max_new_tokens=60, eos_ids={EOS}, max_guesses=max_guesses,
+                      guesser=lambda: Scattershot(draft_seed))
+    finally:
+        apar.step = plain_step
+    for sequence, logits in rows_seen:
+        torch.testing.assert_close(logits, alone(model, sequence), rtol=0, atol=1e-9)
+
+
+class Contenders(Drafter):
+    """Guesses what the model itself finds likely, as a tree: its first choice and that one's first
+    choice, beside its second choice. Under exact sampling each is accepted only sometimes, and a lossy
+    rule (accepting likely guesses outright, say) would show in the distribution."""
+
+    max_draft_tokens = 3
+
+    def __init__(self, model):
+        self.model = model
+
+    def ranked(self, sequence):
+        logits = alone(self.model, sequence)
+        logits[CONTROL.child] = float("-inf")
+        return logits.argsort(descending=True).tolist()
+
+    def propose(self):
+        first, second = self.ranked(self.history)[:2]
+        return Tree([self.history[-1], first, self.ranked(self.history + [first])[0], second], [-1, 0, 1, 0])
+
+
+def test_sampling_with_guesses_keeps_each_threads_distribution():
+    """Exact speculative sampling per thread: the root thread's first three tokens (up to an EOS),
+    sampled with guesses in the pass, follow the model's own distribution (enumerated: top-3
+    sampling, [Child] excluded as the engine excludes it)."""
+    model, prompt, sampling = forking_model(5), [7, 8, 9], Sampling(temperature=1.0, top_k=3)
+
+    def next_probs(sequence):
+        logits = alone(model, sequence)
+        logits[CONTROL.child] = float("-inf")
+        return target_probs(logits, sampling)
+
+    expected, stack = {}, [((), 1.0)]
+    while stack:
+        tokens, probability = stack.pop()
+        if len(tokens) == 3 or tokens[-1:] == (EOS,):
+            expected[tokens] = expected.get(tokens, 0.0) + probability
+            continue
+        for token, p in enumerate(next_probs(prompt + list(tokens)).tolist()):
+            if p > 0:
+                stack.append((tokens + (token,), probability * p))
+    assert 4 < len(expected) <= 27
+
+    counts, generator = Counter(), torch.Generator().manual_seed(0)
+    for _ in range(1500):
+        drafters = []
+
+        def guesser():
+            drafters.append(Contenders(model))
+            return drafters[-1]
+
+        generate_apar(model, prompt, CONTROL, max_new_tokens=6, eos_ids={EOS}, sampling=sampling,
+                      generator=generator, max_guesses=3, guesser=guesser)
+        own = drafters[0].history[len(prompt):]  # the root thread's drafter was told every token it chose
+        counts[tuple(own[:own.index(EOS) + 1] if EOS in own[:3] else own[:3])] += 1
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
 # ---- command line -------------------------------------------------------------------------------
 
 def test_a_missing_adapter_says_how_to_train_one(tmp_path, capsys):
@@ -198,6 +362,10 @@ def test_a_tokenizer_without_control_tokens_is_refused(tmp_path):
     (["--acceptance", "typical", "--temperature", "1"], "guesses nothing"),
     (["--show-accepts"], "--show-accepts applies to"),
     (["--tree-rows", "4"], "--tree-rows applies to"),
+    (["--ngram-k", "3"], "--ngram-k applies to --apar-guesses anpd only"),
+    (["--apar-guesses", "lookahead", "--ngram-n", "3"], "--ngram-n applies to --apar-guesses anpd only"),
+    (["--apar-guesses", "anpd", "--decoding-length", "4"], "--decoding-length applies to --apar-guesses lookahead"),
+    (["--apar-guesses", "anpd", "--acceptance", "typical", "--temperature", "1"], "exactly, never lossily"),
 ])
 def test_options_that_mean_nothing_for_apar_are_refused(options, message, capsys):
     assert main(["--method", "apar", "--prompt", "hi", *options]) == 1
@@ -223,3 +391,19 @@ def test_the_readme_example_forks_and_does_not_loop(capsys):
     text = stats["text"]
     assert stats["threads"] >= 4 and stats["stop_reason"] == "eos"
     assert not repetitive(text) and len(POINT.findall(text)) >= 5  # a glued point starts no line
+
+
+@pytest.mark.parametrize("guesses", ["anpd", "lookahead"])
+def test_apar_with_guesses_writes_the_same_answer_in_fewer_passes(guesses, capsys):
+    """On the default model, greedy: --apar-guesses leaves the restored answer as it is, accepts some
+    guesses, and reports each thread's tokens per pass."""
+    prompt = ["--method", "apar", "--prompt", "Give me five tips for learning a new language.", "--json"]
+    assert main(prompt) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(prompt + ["--apar-guesses", guesses]) == 0
+    guessed = json.loads(capsys.readouterr().out)
+    assert guessed["token_ids"] == plain["token_ids"] and guessed["threads"] == plain["threads"]
+    assert 0 < guessed["guesses_accepted"] <= guessed["guesses_proposed"]
+    assert guessed["forward_passes"] < plain["forward_passes"]
+    assert len(guessed["thread_tokens_per_pass"]) == guessed["threads"]
+    assert max(guessed["thread_tokens_per_pass"]) > 1

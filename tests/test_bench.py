@@ -69,3 +69,20 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
 def test_a_folder_without_llama_cpp_is_one_error(tmp_path):
     with pytest.raises(UserError, match="no llama-lookup, llama-quantize"):
         bench.LlamaCppPeer(tmp_path, 2)
+
+
+def test_the_apar_table_puts_quality_next_to_speed(tmp_path, monkeypatch, default_model):
+    """bench.py apar: vanilla, APAR and APAR + ANPD per category, each with its passes, speed, cache and
+    quality; APAR + ANPD writes APAR's very answer (greedy), in no more passes."""
+    monkeypatch.setattr(bench, "apar_categories", lambda args, tokenizer: {
+        "lists": ["Give me three tips for staying healthy.", "What are the benefits of reading?"]})
+    out = tmp_path / "r.json"
+    bench.main(["apar", "--new-tokens", "32", "--apar-guesses", "anpd", "--out", str(out)])
+    table = json.loads(out.read_text())["tables"][0]
+    rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert list(rows) == ["vanilla", "apar", "apar + anpd"]
+    assert all(row["answers"] == 2 and row["delivered"].endswith("/1") for row in rows.values())  # one asks for three
+    assert rows["apar + anpd"]["tokens"] == rows["apar"]["tokens"] and rows["apar"]["threads"] >= 1
+    assert rows["apar + anpd"]["passes"] <= rows["apar"]["passes"] and rows["apar + anpd"]["thread_tau"] >= 1
+    assert rows["vanilla"]["fewer_passes"] == 1 and rows["vanilla"]["thread_tau"] is None
+    assert all(1 < row["perplexity"] < 100 for row in rows.values())
