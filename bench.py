@@ -9,7 +9,7 @@
     python bench.py --methods anpd medusa ppd --categories chat   # the trained guessers next to ANPD
     python bench.py learned --categories chat   # Medusa vs PPD per tree budget, accuracy, parameters
     python bench.py latency             # vanilla tokens/s and L(T), ours next to transformers'
-    python bench.py apar                # APAR per MT-Bench category: threads, passes, cache, speed
+    python bench.py apar                # APAR (and APAR + ANPD) per category: passes, speed, cache, quality
 
 `methods` (the default) prints one table per category and dtype: for each method, tau (new tokens
 per forward pass, the prefill pass included), tokens/s over the whole generation (prefill
@@ -34,13 +34,16 @@ step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured
 (every node carrying all soft tokens: PPD Figure 8a) at each --budgets number of inputs per forward
 pass: tau predicted from the accuracies next to tau measured, speedup over vanilla in the same run.
 
-`apar` decodes MT-Bench first turns of each --mt-categories category twice: with the APAR model
-(the default model with the shipped adapter, apar.py) and with vanilla decoding of the base model,
-both greedy. Per category it prints APAR's generation threads per answer and share of answers that
-went parallel (APAR Tables 7-8), forward passes per answer and tokens per pass for both, the speedup in
-tokens/s (the paper's measure, since answers differ in length), max cached tokens and attended tokens
-per step against the flattened answer (Tables 1-2, 9-16), and a quality proxy: the base model's
-perplexity on each method's answers.
+`apar` decodes MT-Bench first turns of each --mt-categories category, and --held-out-lists list-style
+ShareGPT prompts whose answers the shipped adapter was not trained on, with vanilla decoding of the
+base model, with the APAR model (the default model with the shipped adapter, apar.py) and with APAR
+plus each --apar-guesses drafter per thread, all greedy. Per category and decoder it prints speed
+(APAR's generation threads per answer and share of answers that went parallel, Tables 7-8; forward
+passes, tokens per pass and tau per thread; tokens/s and its ratio to vanilla's, the paper's speedup
+measure since answers differ in length), the cache (max cached tokens and attended tokens per token
+fed, against the flattened answer: Tables 1-2, 9-16) and quality (apar_quality.py): tokens per
+answer, how many answers that ask for a number of points deliver them, answers that loop, and the
+base model's perplexity of the answers.
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -526,7 +529,10 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
     if args.held_out_lists:
         settings = json.loads(shipped_artifact("apar", default_model_dir()).with_suffix(".json").read_text())
         settings = settings["training"]["settings"]
-        prompts = held_out_list_prompts(tokenizer, settings["records"], settings["max_prompt_tokens"])
+        try:
+            prompts = held_out_list_prompts(tokenizer, settings["records"], settings["max_prompt_tokens"])
+        except UserError as err:  # ShareGPT is training data, not installed with the benchmark sets
+            raise UserError(f"--held-out-lists: {err} (or give --held-out-lists 0)") from None
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
     return categories
 

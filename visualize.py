@@ -3,6 +3,7 @@
     python visualize.py step --method ppd --prompt "Explain what a hash table is."
     python visualize.py answer --methods anpd lookahead --prompt "Summarize in two sentences: ..."
     python visualize.py cost --method auto --prompt "Summarize in two sentences: ..."
+    python visualize.py threads --apar-guesses anpd --prompt "Give me five tips for learning a new language."
     python visualize.py bench bench-methods.json     # the charts of a bench.py run (also bench.py --plot)
     python visualize.py calibration                  # tau(n) / L(n) as decode.py --calibrate measured it
 
@@ -20,6 +21,9 @@ with a bar under the tokens of each pass.
 `cost` decodes the prompt with a method's cost-aware drafter (cost_aware.py) and draws, per pass, the
 guesses it was offered, those it sent and those accepted, next to how many it expected to be accepted,
 and below, how its acceptance estimates for the most frequent kinds of guess moved as the answer went.
+`threads` decodes the prompt with APAR (and with --apar-guesses, APAR with a drafter per thread) and
+draws a row per generation thread and a cell per forward pass it took tokens in: where threads fork,
+how many step together in one pass, where they end, and where a thread accepted guesses.
 `bench` and `calibration` draw measurements: speedup per method and category with tau on the bars,
 L(T)/L(1) against T, tau(n) and tau(n) L(1)/L(n) with the chosen size marked; each is labelled with the
 machine it was measured on.
@@ -34,6 +38,7 @@ import json
 import re
 import sys
 import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
@@ -495,6 +500,60 @@ def save(fig, folder: Path, name: str, formats: list[str]) -> list[Path]:
     return paths
 
 
+# ---- APAR: its threads over the forward passes -------------------------------------------------------
+
+@dataclass
+class ThreadRun:
+    """One APAR generation and every verdict its threads took (apar.generate_apar's `watch`)."""
+    gen: object  # apar.AparGeneration
+    verdicts: list  # (pass number, thread number, tokens, accepted guesses among them, threads it forked)
+
+
+def threads_figure(runs: dict[str, ThreadRun], text_of, control, eos_ids, title: str):
+    """Per run: a row per generation thread (the root on top, children in the order they were forked),
+    a cell per forward pass in which the thread took tokens: plain when it took the model's own one
+    token, green when it accepted guesses (the number: tokens taken). A [Fork] the thread wrote is a
+    purple mark, a grey line goes from it to the child it started, a black bar is the thread's EOS."""
+    heights = [1 + 0.32 * run.gen.threads for run in runs.values()]
+    passes = max(run.gen.forward_passes for run in runs.values())
+    fig, axes = plt.subplots(len(runs), 1, figsize=(min(4 + 0.13 * passes, 30), sum(heights) + 1.2),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (name, run) in zip(axes[:, 0], runs.items()):
+        written = {}  # thread -> its tokens, for its label
+        for number, thread, tokens, accepted, forked in run.verdicts:
+            written.setdefault(thread, []).extend(tokens)
+            kind = "accepted" if accepted else "bonus"
+            ax.add_patch(Rectangle((number - 0.45, thread - 0.32), 0.9, 0.64, fc=FILLS[kind], ec=COLOURS[kind],
+                                   lw=0.6, gid=f"pass-{number}-thread-{thread}-{kind}"))
+            if accepted:
+                ax.text(number, thread, str(len(tokens)), ha="center", va="center", fontsize=6)
+            if control.fork in tokens:
+                ax.plot(number, thread - 0.32, marker="v", color=COLOURS["soft"], markersize=4)
+            for child in forked:
+                ax.plot([number, number + 1], [thread, child], color="#999999", lw=0.7, zorder=0)
+            if set(tokens) & eos_ids:
+                ax.plot([number + 0.45] * 2, [thread - 0.35, thread + 0.35], color="black", lw=2)
+        labels = [label(text_of([t for t in written.get(thread, []) if t not in {control.fork, control.child}])
+                        .strip(), 28) for thread in range(run.gen.threads)]
+        ax.set_yticks(range(run.gen.threads), [f"{thread}: {text}" for thread, text in enumerate(labels)],
+                      fontsize=7, family="monospace")
+        ax.set_ylim(run.gen.threads - 0.5, -0.7)
+        ax.set_xlim(0.3, passes + 0.7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("forward pass", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(f"{name}: {len(run.gen.token_ids)} tokens in {run.gen.forward_passes} forward passes, "
+                     f"{run.gen.threads} threads ({run.gen.guesses_accepted} accepted guesses)", fontsize=9, loc="left")
+    legend = [Patch(fc=FILLS["bonus"], ec=COLOURS["bonus"], label="the thread took the model's one token"),
+              Patch(fc=FILLS["accepted"], ec=COLOURS["accepted"], label="... and accepted guesses (tokens taken)"),
+              plt.Line2D([], [], marker="v", color=COLOURS["soft"], lw=0, label="it wrote [Fork]: a child starts"),
+              plt.Line2D([], [], color="black", lw=2, label="EOS: the thread ends")]
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.legend(handles=legend, loc="upper right", fontsize=7, ncol=2, frameon=False)
+    return fig
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="visualize.py", description=__doc__.split("\n\n")[0],
                            epilog="Run `python visualize.py COMMAND --help` for each command's options.",
@@ -530,7 +589,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "the guesses offered, sent and accepted and the accepted guesses expected of those sent, and "
                     "below, the estimates of the most judged kinds of guess (File: OUT/cost-METHOD).")
     cost.add_argument("--method", default="auto", choices=GUESSING_METHODS, help="the method to draw")
-    for sub in (step, answer, cost):
+    threads = commands.add_parser(
+        "threads", formatter_class=DefaultsHelpFormatter,
+        help="APAR's generation threads over the forward passes (and with --apar-guesses, beside it)",
+        description="Decode a prompt greedily with APAR (the shipped adapter) and draw a row per generation "
+                    "thread and a cell per forward pass it took tokens in: where threads fork, how many step "
+                    "together, where they end. With --apar-guesses, APAR with a drafter per thread is drawn "
+                    "below it: the same threads in fewer passes, green where a thread accepted guesses. File: "
+                    "OUT/threads-apar[-GUESSER].")
+    for sub in (step, answer, cost, threads):
         sub.add_argument("--prompt", required=True, help="the prompt")
         sub.add_argument("--max-new-tokens", type=integer(1, 4096), default=64, metavar="N",
                          help="stop after this many new tokens (or at end-of-sequence)")
@@ -550,8 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "starred (OUT/calibration-K).")
     calibration.add_argument("file", type=Path, nargs="?", metavar="CALIBRATION.json",
                              help="default: this machine's, in the cache (decode.py --calibrate writes it)")
-    for sub, draw in [(step, draw_step), (answer, draw_answers), (cost, draw_cost), (bench, draw_bench),
-                      (calibration, draw_calibration)]:
+    threads.set_defaults(max_new_tokens=256)
+    for sub, draw in [(step, draw_step), (answer, draw_answers), (cost, draw_cost), (threads, draw_threads),
+                      (bench, draw_bench), (calibration, draw_calibration)]:
         sub.set_defaults(draw=draw, command_parser=sub)
         sub.add_argument("--out", type=Path, default=Path("figures"), metavar="DIR", help="folder for the figures")
         sub.add_argument("--formats", nargs="+", choices=["png", "svg"], default=["png", "svg"],
@@ -620,6 +688,25 @@ def draw_answers(args) -> list[Path]:
     fig = answer_figure(answers, token_texts(tokenizer), f"Who chose each token, decoding greedily (so every answer is vanilla's)\n"
                                           f"prompt: {visible(short(args.prompt))}")
     return save(fig, args.out, "answer-" + "-".join(methods), args.formats)
+
+
+def draw_threads(args) -> list[Path]:
+    model, tokenizer, ids = loaded(args, ["apar"])
+    engine = METHODS["apar"].engine(args, model, tokenizer)
+    decoders = {"apar": replace(engine, guesser=None)}
+    if engine.guesser is not None:
+        decoders[f"apar + {args.apar_guesses}"] = engine
+    runs = {}
+    for name, decoder in decoders.items():
+        verdicts = []
+        with torch.inference_mode():
+            gen = decoder.generate(ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
+                                   watch=lambda *verdict: verdicts.append(verdict))
+        runs[name] = ThreadRun(gen, verdicts)
+    fig = threads_figure(runs, token_texts(tokenizer), engine.control, tokenizer.eos_ids,
+                         f"APAR's generation threads, greedy\nprompt: {visible(short(args.prompt))}")
+    return save(fig, args.out, "threads-" + "-".join(name.replace(" + ", "-") for name in list(decoders)[-1:]),
+                args.formats)
 
 
 def read_json(path: Path, what: str, written_by: str):

@@ -205,3 +205,29 @@ def test_a_bad_results_file_is_a_one_line_error(tmp_path, capsys, content, fragm
     assert visualize.main(["bench", str(path), "--out", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and fragment in err.splitlines()[-1]
+
+
+def test_the_threads_figure_has_a_cell_per_verdict_green_where_guesses_were_accepted(tmp_path):
+    from apar import generate_apar
+    from test_apar import CONTROL, EOS, forking_model
+
+    verdicts = []
+    gen = generate_apar(forking_model(3), [7, 8, 9], CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=8,
+                        guesser=lambda: NGramDrafter(3, 4), watch=lambda *verdict: verdicts.append(verdict))
+    fig = visualize.threads_figure({"apar + anpd": visualize.ThreadRun(gen, verdicts)},
+                                   lambda ids: " ".join(map(str, ids)), CONTROL, {EOS}, "threads")
+    png, svg = visualize.save(fig, tmp_path, "threads", ["png", "svg"])
+    assert_valid_png(png)
+    cells = [i for i in svg_ids(svg) if i.startswith("pass-")]
+    assert cells == [f"pass-{n}-thread-{t}-{'accepted' if accepted else 'bonus'}" for n, t, _, accepted, _ in verdicts]
+    assert gen.threads > 3 and sum(accepted for *_, accepted, _ in verdicts) == gen.guesses_accepted > 0
+    assert sorted(child for *_, forked in verdicts for child in forked) == list(range(1, gen.threads))
+
+
+def test_the_threads_command_draws_apar_beside_apar_with_guesses(default_model_dir, tmp_path, capsys):
+    assert visualize.main(["threads", "--apar-guesses", "anpd", "--prompt", "Give me three tips for sleeping well.",
+                           "--max-new-tokens", "24", "--out", str(tmp_path)]) == 0
+    png, svg = capsys.readouterr().out.split()
+    assert png.endswith("threads-apar-anpd.png")
+    assert_valid_png(png)
+    assert any(i.startswith("pass-1-thread-0") for i in svg_ids(svg))
