@@ -15,7 +15,7 @@ MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
     ["errors", "meter", "cpu_kernels", "model", "kv_cache", "tree", "sampling", "tokenizer", "convert",
      "artifacts", "bench_data"],  # foundations
-    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "cost_aware",
+    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
      "combined"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop
     ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text
