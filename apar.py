@@ -1,6 +1,7 @@
 """APAR: auto-parallel auto-regressive decoding (Liu et al. 2024), the forking engine.
 
     python decode.py --method apar --prompt "Give me five tips for learning a language."
+    python decode.py --method apar --apar-guesses anpd --prompt "Give me five tips for learning a language."
 
 APAR changes the model: fine-tuned on paragraph trees (apar_finetune.py, train_prompt.py apar), it writes
 [Fork] after the first words of a point whose details could be written independently. The engine
@@ -36,7 +37,8 @@ APAR + a guesser (section 3.2's Medusa-APAR, here with ANPD's n-grams or Lookahe
 no training): every thread has a drafter of its own, fed its own sequence, and in the same one pass
 each thread's pending token is the root of its own candidate tree. Every row sees its thread's slots
 and its ancestors in its own tree; each thread's tree is verified on its own (verify.py, greedy or
-exact speculative sampling), so a thread's tokens are exactly those it would write without guesses.
+exact speculative sampling), so a thread writes what it would write without guesses (greedy: the
+same tokens; sampling: the same distribution), in fewer passes.
 Threads accept different numbers of guesses: the paper pads them to the longest and masks the rest
 (appendix C.1); here each thread simply keeps the slots of its accepted path and gives the others
 back, so nothing is padded. A [Fork] among the accepted guesses forks there.

@@ -493,7 +493,7 @@ class AparTally:
     nll: list = field(default_factory=list)  # the base model's, per answer token
 
     def add(self, stats: dict, text: str, wanted: int | None, nll: list[float]) -> None:
-        """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla)."""
+        """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla's)."""
         self.answers += 1
         self.new_tokens += stats["new_tokens"]
         self.forward_passes += stats["forward_passes"]
@@ -511,14 +511,12 @@ class AparTally:
         self.nll += nll
 
 
-def vanilla_statistics(gen, prompt_length: int) -> dict:
-    """apar.statistics' measures for a vanilla answer: one thread, the answer cached as it is."""
-    new = len(gen.token_ids)
-    return {"new_tokens": new, "forward_passes": gen.forward_passes, "decode_seconds": gen.decode_seconds,
-            "threads": 1, "parallel": False, "max_cached_tokens": prompt_length + new,
-            "flattened_max_cached_tokens": prompt_length + new, "attended_tokens": prompt_length + (new + 1) / 2,
-            "flattened_attended_tokens": prompt_length + (new + 1) / 2, "thread_tokens_per_pass": [],
-            "guesses_proposed": 0}
+def vanilla_statistics(gen, answer: list[int], prompt_length: int) -> dict:
+    """apar.statistics of a vanilla `answer` (EOS left out): one thread, decoded as a flattened answer is."""
+    flat = apar.statistics(apar.AparGeneration(answer, gen.stop_reason, forward_passes=gen.forward_passes,
+                                               decode_seconds=gen.decode_seconds), prompt_length)
+    return flat | {"max_cached_tokens": flat["flattened_max_cached_tokens"],
+                   "attended_tokens": flat["flattened_attended_tokens"]}
 
 
 def apar_categories(args, tokenizer) -> dict[str, list[str]]:
@@ -552,9 +550,8 @@ def bench_apar(args, tokenizer, report):
             prompt_ids, wanted = tokenizer.prompt_ids(text, raw=False), requested_points(text)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
-            vanilla.token_ids = answer
-            tallies["vanilla"].add(vanilla_statistics(vanilla, len(prompt_ids)), tokenizer.decode(answer), wanted,
-                                   answer_nll(base, prompt_ids, answer))
+            tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), tokenizer.decode(answer),
+                                   wanted, answer_nll(base, prompt_ids, answer))
             for name, decoder in engines.items():
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,

@@ -204,8 +204,10 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
         default="none", choices=["none", *APAR_GUESSERS],
         help="APAR + a guesser: every thread gets its own ANPD or Lookahead drafter, and each thread's guesses "
              "are verified in the same forward pass as all threads' (exactly: each thread writes what it would "
-             "without guesses). A thread's tree is sized by --ngram-n/--ngram-k or --decoding-length/"
-             f"--branch-length; a pass feeds at most {MAX_GUESSES_PER_PASS} guesses over all threads")),
+             "without guesses). A thread's tree is sized by --ngram-n/--ngram-k (K default "
+             f"{NGramDrafter.DEFAULT_K} here, never calibrated) or --decoding-length (default "
+             f"{TrieDrafter.DEFAULT_DECODING_LENGTH})/--branch-length; a pass feeds at most {MAX_GUESSES_PER_PASS} "
+             "guesses over all threads")),
     "trained": ("--trained", dict(
         type=Path, metavar="PATH",
         help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "
