@@ -535,7 +535,8 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
             raise UserError(f"--held-out-lists: {err} (or give --held-out-lists 0)") from None
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
         counted = [prompt for prompt in prompts if requested_points(prompt)]  # (about one in ten)
-        categories["held-out lists naming a count"] = bench_data.spread(counted, args.held_out_lists)
+        if counted:
+            categories["held-out lists naming a count"] = bench_data.spread(counted, args.held_out_lists)
     return categories
 
 

@@ -112,6 +112,8 @@ def test_apar_categories_add_held_out_lists_and_those_naming_a_count(held_out):
     assert categories["writing"] == ["writing question"]
     assert len(categories["held-out lists"]) == 3
     assert categories["held-out lists naming a count"] == ["Give me 3 tips for sleep.", "Name five ways to relax."]
+    held_out.setattr(bench, "held_out_list_prompts", lambda *settings: ["List tips for sleep."])
+    assert "held-out lists naming a count" not in bench.apar_categories(args, tokenizer=None)  # none: no category
 
 
 def test_held_out_lists_without_sharegpt_is_one_error_saying_how_to_skip_them(held_out):
