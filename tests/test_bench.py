@@ -124,3 +124,17 @@ def test_held_out_lists_without_sharegpt_is_one_error_saying_how_to_skip_them(he
     args = bench.build_parser().parse_args(["apar", "--mt-categories", "writing"])
     with pytest.raises(UserError, match="--held-out-lists 0"):
         bench.apar_categories(args, tokenizer=None)
+
+
+def test_adapters_trained_on_other_prompts_have_no_common_held_out_lists(held_out, tmp_path):
+    held_out.setattr(bench, "held_out_list_prompts", lambda *settings: ["Give me 3 tips for sleep."])
+    for name, settings in [("a", {"records": 30, "max_prompt_tokens": 64}), ("b", {"records": 20, "max_prompt_tokens": 64}),
+                           ("c", {"records": 30, "max_prompt_tokens": 64}), ("d", {})]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"training": {"settings": settings}}))
+    argv = ["apar", "--mt-categories", "writing", "--held-out-lists", "1", "--adapters"]
+    same = bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "a"), str(tmp_path / "c")]), None)
+    assert same["held-out lists"] == ["Give me 3 tips for sleep."]
+    with pytest.raises(UserError, match="different prompt sets"):
+        bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "a"), str(tmp_path / "b")]), None)
+    with pytest.raises(UserError, match="does not say which prompts trained it"):
+        bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "d")]), None)
