@@ -49,7 +49,7 @@ import artifacts
 from apar import AparEngine, ControlTokens
 from cpu_kernels import prepare_tree_kernels
 from errors import UserError
-from self_distill import VALIDATION_EVERY, training_prompts, usable_prompts
+from self_distill import is_held_out, training_prompts, usable_prompts
 from tree import Tree
 
 LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
@@ -72,10 +72,10 @@ def apar_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
 
 
 def held_out_list_prompts(tokenizer, records: int, max_prompt_tokens: int) -> list[str]:
-    """The list-style prompts of apar_prompts(records, ...) whose answers train_prompt.py held out (every
-    VALIDATION_EVERY-th prompt): an adapter trained with these settings never saw their answers."""
+    """The list-style prompts of apar_prompts(records, ...) whose answers train_prompt.py held out
+    (self_distill.is_held_out): an adapter trained with these settings never saw their answers."""
     prompts = apar_prompts(records, tokenizer, max_prompt_tokens)
-    return [p for i, p in enumerate(prompts) if i % VALIDATION_EVERY == 0 and looks_list_style(p)]
+    return [p for i, p in enumerate(prompts) if is_held_out(i) and looks_list_style(p)]
 
 
 # ---- structure: the text rules of appendix B ----------------------------------------------------

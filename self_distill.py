@@ -33,6 +33,12 @@ from sampling import Sampling, target_probs
 
 VALIDATION_EVERY = 10  # every 10th prompt's answers are held out: accuracies and tree statistics come from these
 
+
+def is_held_out(index: int) -> bool:
+    """Whether the answers to the index-th prompt are held out of training (train_prompt.py splits by
+    it; bench.py apar finds the prompts an adapter never saw by it)."""
+    return index % VALIDATION_EVERY == 0
+
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 13  # words: Brown et al. 2020's overlap length
 

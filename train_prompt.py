@@ -44,7 +44,7 @@ from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint, parse_device
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
 from sampling import Sampling
-from self_distill import VALIDATION_EVERY, generate_answers, training_prompts
+from self_distill import VALIDATION_EVERY, generate_answers, is_held_out, training_prompts
 from tokenizer import Tokenizer
 
 MAX_HEADS = 7
@@ -75,9 +75,8 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
         files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"), prompts,
                                       max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
                                       sampling=SAMPLED, seed=1_000_003 * copy))
-    held_out = [r for records in files for i, r in enumerate(records) if i % VALIDATION_EVERY == 0]
-    training = [r for records in files for i, r in enumerate(records) if i % VALIDATION_EVERY != 0]
-    return training, held_out
+    return ([r for records in files for i, r in enumerate(records) if not is_held_out(i)],
+            [r for records in files for i, r in enumerate(records) if is_held_out(i)])
 
 
 # ---- PPD ----------------------------------------------------------------------------------------
@@ -269,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
-                   "data: half list-style prompts)", records=3000, max_new_tokens=512, max_prompt_tokens=192, epochs=2)
+                   "data: every list-style prompt, then others)", records=3000, max_new_tokens=512, max_prompt_tokens=192, epochs=2)
     apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
                       help=f"answers per prompt drawn at temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}, "
                            "beside the greedy one, 0..8")

@@ -705,8 +705,7 @@ def draw_threads(args) -> list[Path]:
         runs[name] = ThreadRun(gen, verdicts)
     fig = threads_figure(runs, token_texts(tokenizer), engine.control, tokenizer.eos_ids,
                          f"APAR's generation threads, greedy\nprompt: {visible(short(args.prompt))}")
-    return save(fig, args.out, "threads-" + "-".join(name.replace(" + ", "-") for name in list(decoders)[-1:]),
-                args.formats)
+    return save(fig, args.out, "threads-" + list(decoders)[-1].replace(" + ", "-"), args.formats)
 
 
 def read_json(path: Path, what: str, written_by: str):
