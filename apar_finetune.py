@@ -106,10 +106,11 @@ class Structure:
         return "".join(p.root + p.detail for p in self.points) + self.tail
 
 
-def structure(answer: str) -> Structure:
+def structure(answer: str, loops_allowed: bool = False) -> Structure:
     """Read an answer as an ordered list, else as paragraphs, else as unstructured (appendix B).
-    An answer that repeats itself is set apart: it would teach the model to loop."""
-    if repetitive(answer):
+    An answer that repeats itself is set apart: it would teach the model to loop. With
+    `loops_allowed` it is read like any other (bench.py asks whether vanilla's answer has points)."""
+    if repetitive(answer) and not loops_allowed:
         return Structure("repetitive", [], answer)
     if UNSTRUCTURED.search(answer):
         return Structure("unstructured", [], answer)

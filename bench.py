@@ -70,7 +70,7 @@ import torch
 
 import apar
 import bench_data
-from apar_finetune import held_out_list_prompts, repetitive
+from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact, written_atomically
 from calibrate import cpu_name, forward_latency, machine_latency
@@ -493,10 +493,18 @@ class AparTally:
     delivered: int = 0  # of those, answers with at least that many
     repetitive: int = 0
     nll: list = field(default_factory=list)  # the base model's, per answer token
+    # whether a fork was due: vanilla's answer to the same prompt has points (the data rules read it as
+    # a list or paragraphs, loops allowed) or has none (code, math, a single paragraph)
+    pointed: int = 0
+    forked_pointed: int = 0
+    forked_unpointed: int = 0
 
-    def add(self, stats: dict, text: str, wanted: int | None, nll: list[float]) -> None:
+    def add(self, stats: dict, text: str, wanted: int | None, nll: list[float], vanilla_has_points: bool) -> None:
         """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla's)."""
         self.answers += 1
+        self.pointed += vanilla_has_points
+        self.forked_pointed += vanilla_has_points and stats["parallel"]
+        self.forked_unpointed += not vanilla_has_points and stats["parallel"]
         self.new_tokens += stats["new_tokens"]
         self.forward_passes += stats["forward_passes"]
         self.seconds += stats["decode_seconds"]
@@ -575,17 +583,20 @@ def bench_apar(args, tokenizer, report):
             prompt_ids, wanted = tokenizer.prompt_ids(text, raw=False), requested_points(text)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
+            has_points = structure(tokenizer.decode(answer), loops_allowed=True).kind in ("list", "paragraphs")
             tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), tokenizer.decode(answer),
-                                   wanted, answer_nll(base, prompt_ids, answer))
+                                   wanted, answer_nll(base, prompt_ids, answer), has_points)
             for name, decoder in engines.items():
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
-                                  answer_nll(base, prompt_ids, gen.token_ids))
+                                  answer_nll(base, prompt_ids, gen.token_ids), has_points)
             print(f"  {category} {number}/{len(texts)}: vanilla {vanilla.forward_passes} passes, APAR "
                   f"{gen.threads} threads, {gen.forward_passes} passes", file=sys.stderr, flush=True)
         rows += [apar_row(category, name, tally, tallies["vanilla"]) for name, tally in tallies.items()]
     columns = [Column("category"), Column("decoder"), Column("answers"), Column("threads", "threads (#T)", "{:.1f}"),
-               Column("parallel", "parallel (%P)", "{:.0%}"), Column("passes", "passes per answer", "{:.0f}"),
+               Column("parallel", "parallel (%P)", "{:.0%}"),
+               Column("forked_pointed", "forked where vanilla's answer has points"),
+               Column("forked_unpointed", "forked where it has none"), Column("passes", "passes per answer", "{:.0f}"),
                Column("fewer_passes", "fewer passes", "{:.2f}x"), Column("tokens", "tokens per answer", "{:.0f}"),
                Column("tokens_per_pass", "tokens per pass", "{:.2f}"),
                Column("thread_tau", "tau per thread", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
@@ -604,7 +615,11 @@ def apar_row(category: str, name: str, t: AparTally, vanilla: AparTally) -> list
     def with_flattened(ours, flat):
         return f"{ours / n:.0f} / {flat / n:.0f}" if name != "vanilla" else f"{ours / n:.0f}"
 
-    return [category, name, n, t.threads / n, t.parallel / n, t.forward_passes / n,
+    def forked(count, of):
+        return f"{count}/{of}" if name != "vanilla" and of else None
+
+    return [category, name, n, t.threads / n, t.parallel / n, forked(t.forked_pointed, t.pointed),
+            forked(t.forked_unpointed, n - t.pointed), t.forward_passes / n,
             vanilla.forward_passes / t.forward_passes, t.new_tokens / n, t.new_tokens / t.forward_passes,
             statistics.mean(t.thread_taus) if t.thread_taus else None, t.new_tokens / t.seconds,
             (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds),

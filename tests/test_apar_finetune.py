@@ -47,13 +47,14 @@ def test_points_without_a_colon_have_their_first_words_as_root_and_bullets_count
     assert shape.text() == answer
 
 
-@pytest.mark.parametrize("answer", [
-    "Here are some:\n\n1. Dr. Anna Karp writes well.\n2. Dr. Anna Karp writes well.\n3. Dr. Anna Karp writes well.\n"
-    "4. Dr. Anna Karp writes well.",
-    "It is good. " + "It is good because it is good and it is good for you. " * 6,
+@pytest.mark.parametrize("answer, kind_if_loops_allowed", [
+    ("Here are some:\n\n1. Dr. Anna Karp writes well.\n2. Dr. Anna Karp writes well.\n3. Dr. Anna Karp writes well.\n"
+     "4. Dr. Anna Karp writes well.", "list"),
+    ("It is good. " + "It is good because it is good and it is good for you. " * 6, "unstructured"),
 ])
-def test_answers_that_loop_are_set_apart(answer):
+def test_answers_that_loop_are_set_apart(answer, kind_if_loops_allowed):
     assert structure(answer).kind == "repetitive"
+    assert structure(answer, loops_allowed=True).kind == kind_if_loops_allowed  # (bench.py: had it points?)
 
 
 

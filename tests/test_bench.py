@@ -88,6 +88,23 @@ def test_the_apar_table_puts_quality_next_to_speed(tmp_path, monkeypatch, defaul
     assert all(1 < row["perplexity"] < 100 for row in rows.values())
 
 
+def test_the_apar_table_counts_forks_by_whether_vanilla_answered_with_points():
+    """The fork rate split by vanilla's answer to the same prompt: points (a fork was due) or none."""
+    tally, vanilla = bench.AparTally(), bench.AparTally()
+    answers = [(True, True), (True, False), (True, True), (False, True), (False, False)]  # (has points, forked)
+    for has_points, forked in answers:
+        stats = {"new_tokens": 10, "forward_passes": 5, "decode_seconds": 1.0, "threads": 1 + forked,
+                 "parallel": forked, "max_cached_tokens": 20, "flattened_max_cached_tokens": 25,
+                 "attended_tokens": 15, "flattened_attended_tokens": 18, "thread_tokens_per_pass": [],
+                 "guesses_proposed": 0}
+        tally.add(stats, "an answer", None, [1.0], has_points)
+        vanilla.add(stats | {"threads": 1, "parallel": False}, "an answer", None, [1.0], has_points)
+    columns = ["category", "decoder", "answers", "threads", "parallel", "forked_pointed", "forked_unpointed"]
+    row = dict(zip(columns, bench.apar_row("lists", "apar", tally, vanilla)))
+    assert (row["parallel"], row["forked_pointed"], row["forked_unpointed"]) == (0.6, "2/3", "1/2")
+    assert bench.apar_row("lists", "vanilla", vanilla, vanilla)[5:7] == [None, None]
+
+
 @pytest.fixture
 def held_out(monkeypatch, tmp_path):
     """bench.py apar's prompt sets without the data packages: MT-Bench and ShareGPT stand-ins."""
