@@ -39,7 +39,8 @@ ShareGPT prompts whose answers the shipped adapter was not trained on (and as ma
 a number of points), with vanilla decoding of the
 base model, with the APAR model (the default model with the shipped adapter, apar.py) and with APAR
 plus each --apar-guesses drafter per thread, all greedy. Per category and decoder it prints speed
-(APAR's generation threads per answer and share of answers that went parallel, Tables 7-8; forward
+(APAR's generation threads per answer and share of answers that went parallel, Tables 7-8, that share
+split by whether vanilla's answer to the prompt has points, a list or paragraphs, or none; forward
 passes, tokens per pass and tau per thread; tokens/s and its ratio to vanilla's, the paper's speedup
 measure since answers differ in length), the cache (max cached tokens and attended tokens per token
 fed, against the flattened answer: Tables 1-2, 9-16) and quality (apar_quality.py): tokens per
