@@ -584,9 +584,10 @@ def bench_apar(args, tokenizer, report):
             prompt_ids, wanted = tokenizer.prompt_ids(text, raw=False), requested_points(text)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
-            has_points = structure(tokenizer.decode(answer), loops_allowed=True).kind in ("list", "paragraphs")
-            tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), tokenizer.decode(answer),
-                                   wanted, answer_nll(base, prompt_ids, answer), has_points)
+            text_of_answer = tokenizer.decode(answer)
+            has_points = structure(text_of_answer, loops_allowed=True).kind in ("list", "paragraphs")
+            tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), text_of_answer, wanted,
+                                   answer_nll(base, prompt_ids, answer), has_points)
             for name, decoder in engines.items():
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
