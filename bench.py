@@ -497,15 +497,13 @@ class AparTally:
     # whether a fork was due: vanilla's answer to the same prompt has points (the data rules read it as
     # a list or paragraphs, loops allowed) or has none (code, math, a single paragraph)
     pointed: int = 0
-    forked_pointed: int = 0
-    forked_unpointed: int = 0
+    forked_pointed: int = 0  # (the others that forked: parallel - forked_pointed)
 
     def add(self, stats: dict, text: str, wanted: int | None, nll: list[float], vanilla_has_points: bool) -> None:
         """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla's)."""
         self.answers += 1
         self.pointed += vanilla_has_points
         self.forked_pointed += vanilla_has_points and stats["parallel"]
-        self.forked_unpointed += not vanilla_has_points and stats["parallel"]
         self.new_tokens += stats["new_tokens"]
         self.forward_passes += stats["forward_passes"]
         self.seconds += stats["decode_seconds"]
@@ -621,7 +619,7 @@ def apar_row(category: str, name: str, t: AparTally, vanilla: AparTally) -> list
         return f"{count}/{of}" if name != "vanilla" and of else None
 
     return [category, name, n, t.threads / n, t.parallel / n, forked(t.forked_pointed, t.pointed),
-            forked(t.forked_unpointed, n - t.pointed), t.forward_passes / n,
+            forked(t.parallel - t.forked_pointed, n - t.pointed), t.forward_passes / n,
             vanilla.forward_passes / t.forward_passes, t.new_tokens / n, t.new_tokens / t.forward_passes,
             statistics.mean(t.thread_taus) if t.thread_taus else None, t.new_tokens / t.seconds,
             (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds),
