@@ -11,8 +11,10 @@ projections plus the two control tokens' embedding rows (tied to the LM head), a
 parameters, which ships as a few MB. Rank and learning rate were chosen among four settings by
 held-out [Fork] precision and recall (train_prompt.py apar records its settings with the weights).
 
-The data rules. An answer that loops (`repetitive`) is left out of training; any other is read,
-in this order, as
+The data rules. An answer that loops (`repetitive`) is left out of training, except for the list
+it wrote before its loop began (`before_the_loop`; it trains as an answer cut off there, this
+project's addition: the small model loops in about half its answers, often after several good
+points). Any other answer is read, in this order, as
 1. an *ordered list*: at least 3 points "N. root: detail" (or bullets "- "), each detail at least 10
    characters; a point with no colon has its first three words as root (this project's addition:
    the small model writes many such lists). The root ("2. Watering:") is written by the parent
@@ -121,12 +123,46 @@ def repetitive(answer: str) -> bool:
     """Two in five or more of its lines (list markers aside) repeat an earlier line, or some 8 words
     come 6 times: the small model's loops (most of its greedy answers that hit the length limit),
     which the data must not teach."""
-    lines = [POINT.sub("", line).strip().lower() for line in answer.splitlines() if line.strip()]
+    lines = [line_key(line) for line in answer.splitlines() if line.strip()]
     if len(lines) >= 4 and len(set(lines)) <= 0.6 * len(lines):
         return True
-    words = re.findall(r"\w+", answer.lower())
-    counts = Counter(tuple(words[i:i + 8]) for i in range(len(words) - 7))
+    counts = Counter(gram for _, gram in word_grams(answer))
     return bool(counts) and max(counts.values()) >= 6
+
+
+def before_the_loop(answer: str) -> str:
+    """What a looping answer wrote before it began to repeat itself: everything up to the first line
+    that repeats an earlier one (list markers aside), or that holds a second time some 8 words the
+    answer repeats 3 times or more (twice is often just a phrase the model likes). So it is not
+    `repetitive`: no line comes twice, and no 8 words more than twice."""
+    end, seen, offset = len(answer), set(), 0
+    for line in answer.splitlines(keepends=True):
+        if line.strip() and line_key(line) in seen:
+            end = offset
+            break
+        seen.add(line_key(line))
+        offset += len(line)
+    grams = list(word_grams(answer))
+    looping = {gram for gram, count in Counter(gram for _, gram in grams).items() if count >= 3}
+    seen = set()
+    for start, gram in grams:
+        if gram in looping and gram in seen:
+            end = min(end, answer.rfind("\n", 0, start) + 1)  # the start of that line
+            break
+        seen.add(gram)
+    return answer[:end]
+
+
+def line_key(line: str) -> str:
+    """A line as the loop tests compare it: without its list marker, spaces or case."""
+    return POINT.sub("", line).strip().lower()
+
+
+def word_grams(answer: str, n: int = 8):
+    """(offset of the first word, the n words lowered) for every run of n words in the answer."""
+    words = list(re.finditer(r"\w+", answer))
+    for i in range(len(words) - n + 1):
+        yield words[i].start(), tuple(w.group().lower() for w in words[i:i + n])
 
 
 def cut_points(answer: str, spans: list[tuple[int, int, int]]) -> tuple[list[Point], str]:
@@ -220,10 +256,14 @@ class ThreadLayout:
 def training_example(prompt_ids: list[int], answer_ids: list[int], tokenizer, control) -> TrainingExample:
     """An answer as a paragraph tree ready for training. An answer cut off by the length limit (no
     EOS) loses its last point, which may be unfinished, and its parent thread's end gets no label:
-    what would have come next is unknown."""
+    what would have come next is unknown. An answer that loops is cut off where its loop begins,
+    if what comes before is a list; else it stays "repetitive" and is not used."""
     cut = not answer_ids or answer_ids[-1] not in tokenizer.eos_ids
     eos = next(iter(sorted(tokenizer.eos_ids))) if cut else answer_ids[-1]
-    shape = structure(tokenizer.decode(answer_ids if cut else answer_ids[:-1]))
+    text = tokenizer.decode(answer_ids if cut else answer_ids[:-1])
+    shape = structure(text)
+    if shape.kind == "repetitive" and (before := structure(before_the_loop(text))).kind == "list":
+        shape, cut = before, True  # the list it wrote before looping, as if the answer were cut off there
     if cut and shape.points:
         shape.points, shape.tail = shape.points[:-1], ""
     layout = ThreadLayout()
@@ -361,7 +401,7 @@ def packs(examples: list, max_tokens: int) -> list[list]:
 def apar_examples(records, tokenizer, control, unstructured_share: float = 1.0) -> list:
     """Paragraph-tree examples: every structured one (lists, paragraphs), then unstructured ones up
     to `unstructured_share` times as many (section 3.2 samples the two 1:1). Repetitive answers are
-    left out: they would teach the model to loop."""
+    left out (but for a list before the loop, see training_example): they would teach the model to loop."""
     examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
     structured = [e for e in examples if e.kind in ("list", "paragraphs")]
     unstructured = [e for e in examples if e.kind == "unstructured"]

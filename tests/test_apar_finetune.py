@@ -2,12 +2,15 @@
 layout hides details from each other and never teaches [Child], and training lowers the loss while the
 merged adapter computes what the hooked training model did."""
 
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from apar import ControlTokens, generate_apar
-from apar_finetune import IGNORE, AparAdapter, apar_logits, apply_adapter, structure, training_example
+from apar_finetune import (IGNORE, AparAdapter, apar_logits, apply_adapter, before_the_loop, line_key, repetitive,
+                           structure, training_example, word_grams)
 from helpers import random_model, tiny_hf_config, tiny_model
 
 EOS = 2
@@ -56,6 +59,46 @@ def test_answers_that_loop_are_set_apart(answer, kind_if_loops_allowed):
     assert structure(answer).kind == "repetitive"
     assert structure(answer, loops_allowed=True).kind == kind_if_loops_allowed  # (bench.py: had it points?)
 
+
+
+LINES = ["Water the plants every day.", "Give them light.", "1. Soil: use rich soil with compost in it.",
+         "- Give them light.", "It is good because it is good and it is good for you.", "", "Good luck!",
+         "Plants need water and light to grow well at home.", "So plants need water and light to grow well, you see.",
+         "Plants need water and light to grow well, they say."]  # the last three share 8 words
+
+
+def loop_begun(text: str, answer: str) -> bool:
+    """A line of `text` repeats an earlier one (markers aside), or `text` holds twice some 8 words
+    that `answer` holds 3 times or more."""
+    keys = [line_key(line) for line in text.splitlines() if line.strip()]
+    in_answer, in_text = (Counter(gram for _, gram in word_grams(t)) for t in (answer, text))
+    return len(set(keys)) < len(keys) or any(in_text[g] >= 2 and in_answer[g] >= 3 for g in in_text)
+
+
+@settings(deadline=None, max_examples=200)
+@given(lines=st.lists(st.sampled_from(LINES), max_size=12), tail=st.sampled_from(["", "\n", "\n\n"]))
+def test_before_the_loop_is_the_longest_run_of_whole_lines_before_a_loop_begins(lines, tail):
+    answer = "\n".join(lines) + tail
+    before = before_the_loop(answer)
+    assert answer.startswith(before) and not loop_begun(before, answer) and not repetitive(before)
+    rest = answer[len(before):]
+    assert before == "" or before.endswith("\n") or rest == ""  # whole lines only
+    if rest.strip():  # one more line and the loop has begun
+        assert loop_begun(before + rest.splitlines(keepends=True)[0], answer)
+
+
+def test_a_looping_answer_trains_on_the_list_it_wrote_before_the_loop():
+    tok = CharTokenizer()
+    answer = ("Tips:\n1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third thing.\n4. Dd: fourth one.\n"
+              + "5. Dd: fourth one.\n" * 4)
+    assert structure(answer).kind == "repetitive"
+    example = training_example([7], tok.encode(answer) + [EOS], tok, CONTROL)
+    forks = [i for i, t in enumerate(example.tree.tokens) if t == CONTROL.fork]
+    assert example.kind == "list" and len(forks) == 3  # points 1-3: the 4th goes, as in a cut answer
+    assert "Dd" not in tok.decode([t for t in example.tree.tokens if t >= 10])
+    assert example.labels[forks[-1]] == IGNORE  # the parent learns no end: the answer never ended well
+    looping_prose = "It is good. " + "It is good because it is good and it is good for you. " * 6
+    assert training_example([7], tok.encode(looping_prose) + [EOS], tok, CONTROL).kind == "repetitive"
 
 
 def test_paragraphs_split_at_their_first_sentence():
