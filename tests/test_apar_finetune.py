@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from apar import ControlTokens, generate_apar
 from apar_finetune import (IGNORE, AparAdapter, apar_logits, apply_adapter, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)
-from helpers import random_model, tiny_hf_config, tiny_model
+from helpers import cheap, random_model, tiny_hf_config, tiny_model
 
 EOS = 2
 CONTROL = ControlTokens(fork=5, child=6)
@@ -75,7 +75,7 @@ def loop_begun(text: str, answer: str) -> bool:
     return len(set(keys)) < len(keys) or any(in_text[g] >= 2 and in_answer[g] >= 3 for g in in_text)
 
 
-@settings(deadline=None, max_examples=200)
+@cheap
 @given(lines=st.lists(st.sampled_from(LINES), max_size=12), tail=st.sampled_from(["", "\n", "\n\n"]))
 def test_before_the_loop_is_the_longest_run_of_whole_lines_before_a_loop_begins(lines, tail):
     answer = "\n".join(lines) + tail
