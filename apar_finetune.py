@@ -51,7 +51,7 @@ import artifacts
 from apar import AparEngine, ControlTokens
 from cpu_kernels import prepare_tree_kernels
 from errors import UserError
-from self_distill import is_held_out, training_prompts, usable_prompts
+from self_distill import held_out_prompts, training_prompts, usable_prompts
 from tree import Tree
 
 LIST_STYLE = re.compile(r"\b(list|tips|ways|steps|ideas|examples|benefits|advantages|disadvantages|reasons|"
@@ -75,9 +75,9 @@ def apar_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
 
 def held_out_list_prompts(tokenizer, records: int, max_prompt_tokens: int) -> list[str]:
     """The list-style prompts of apar_prompts(records, ...) whose answers train_prompt.py held out
-    (self_distill.is_held_out): an adapter trained with these settings never saw their answers."""
-    prompts = apar_prompts(records, tokenizer, max_prompt_tokens)
-    return [p for i, p in enumerate(prompts) if is_held_out(i) and looks_list_style(p)]
+    (self_distill.held_out_prompts): an adapter trained with these settings never saw their answers."""
+    return [p for p in held_out_prompts(tokenizer, apar_prompts(records, tokenizer, max_prompt_tokens))
+            if looks_list_style(p)]
 
 
 # ---- structure: the text rules of appendix B ----------------------------------------------------

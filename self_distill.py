@@ -34,10 +34,29 @@ from sampling import Sampling, target_probs
 VALIDATION_EVERY = 10  # every 10th prompt's answers are held out: accuracies and tree statistics come from these
 
 
+def answer_order(prompt_ids: list[list[int]]) -> list[int]:
+    """The order in which generate_answers answers prompts and writes their records: shortest first
+    (rows of a batch then have similar lengths, so little compute goes to padding)."""
+    return sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+
+
 def is_held_out(index: int) -> bool:
-    """Whether the answers to the index-th prompt are held out of training (train_prompt.py splits by
-    it; bench.py apar finds the prompts an adapter never saw by it)."""
+    """Whether the index-th record of an answer file (in answer_order, not the prompts' order) is held
+    out of training."""
     return index % VALIDATION_EVERY == 0
+
+
+def split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) records of one answer file, as train_prompt.py splits them."""
+    return ([r for i, r in enumerate(records) if not is_held_out(i)],
+            [r for i, r in enumerate(records) if is_held_out(i)])
+
+
+def held_out_prompts(tokenizer, prompts: list[str]) -> list[str]:
+    """The prompts whose answers split_records holds out (so a model trained on the others never saw
+    them; bench.py apar), in their given order."""
+    order = answer_order([tokenizer.prompt_ids(p, raw=False) for p in prompts])
+    return [prompts[i] for i in sorted(i for index, i in enumerate(order) if is_held_out(index))]
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 13  # words: Brown et al. 2020's overlap length
@@ -138,8 +157,8 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
 
 def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, max_new_tokens: int,
                      batch_size: int = 16, sampling: Sampling = Sampling(), seed: int = 0) -> list[dict]:
-    """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, shortest
-    prompt first, greedy or sampled (batch i drawing from a generator seeded with seed + i, so a
+    """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, in
+    answer_order (shortest prompt first), greedy or sampled (batch i drawing from a generator seeded with seed + i, so a
     resumed run draws what an uninterrupted one would, on the same device with the same batch size).
     Returns all records."""
     count = len(prompts)
@@ -149,8 +168,8 @@ def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, ma
     done = done[:len(done) // batch_size * batch_size]  # whole batches: a resumed batch draws anew
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text("".join(json.dumps(r) + "\n" for r in done), encoding="utf-8")  # drops a cut line
-    # shortest first: rows of a batch then have similar lengths, so little compute goes to padding
-    todo = sorted((tokenizer.prompt_ids(p, raw=False) for p in prompts), key=len)
+    prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
+    todo = [prompt_ids[i] for i in answer_order(prompt_ids)]
     started, made_tokens = time.perf_counter(), 0
     with out_file.open("a", encoding="utf-8") as f:
         for first in range(len(done), len(todo), batch_size):  # `done` holds whole batches

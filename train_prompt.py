@@ -44,7 +44,7 @@ from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
 from model import load_checkpoint, parse_device
 from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
 from sampling import Sampling
-from self_distill import VALIDATION_EVERY, generate_answers, is_held_out, training_prompts
+from self_distill import VALIDATION_EVERY, generate_answers, split_records, training_prompts
 from tokenizer import Tokenizer
 
 MAX_HEADS = 7
@@ -75,8 +75,8 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
         files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"), prompts,
                                       max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
                                       sampling=SAMPLED, seed=1_000_003 * copy))
-    return ([r for records in files for i, r in enumerate(records) if not is_held_out(i)],
-            [r for records in files for i, r in enumerate(records) if is_held_out(i)])
+    splits = [split_records(records) for records in files]
+    return [r for training, _ in splits for r in training], [r for _, held_out in splits for r in held_out]
 
 
 # ---- PPD ----------------------------------------------------------------------------------------

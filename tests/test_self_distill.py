@@ -1,12 +1,15 @@
 """Self-distillation data: a batch of left-padded prompts decodes each row exactly as decoding that
 prompt alone would (tiny float64 models, prompts of different lengths, end-of-sequence tokens), and
-the decontamination rule drops prompts that share 13 words with a benchmark prompt."""
+the decontamination rule drops prompts that share 13 words with a benchmark prompt; the prompts
+named held out are those whose answers training holds out."""
+
+import random
 
 from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_model
 from decode import generate
-from self_distill import answer_batch, word_ngrams
+from self_distill import answer_batch, generate_answers, held_out_prompts, split_records, word_ngrams
 
 VOCAB = 16
 MODEL = tiny_model(3, vocab=VOCAB)
@@ -27,3 +30,27 @@ def test_thirteen_word_overlap():
     reworded = "Write a travel blog post about Hawaii."
     assert word_ngrams(copied) & word_ngrams(bench)
     assert not word_ngrams(reworded) & word_ngrams(bench)
+
+
+class LengthTokenizer:
+    """One token per character: prompts of different lengths have different ids."""
+    eos_ids = {0}
+
+    def prompt_ids(self, prompt, raw):
+        return [1 + ord(c) % (VOCAB - 1) for c in prompt]
+
+
+def test_the_prompts_named_held_out_are_those_whose_answers_training_holds_out(tmp_path):
+    """bench.py apar measures an adapter on held_out_prompts; train_prompt.py trains on what
+    split_records keeps. The answer file is written shortest prompt first, not in the prompts' order,
+    so the two must agree on the records' order, not on the prompts' indices."""
+    lengths = list(range(1, 41))
+    random.Random(0).shuffle(lengths)
+    prompts = ["ab"[n % 2] * n for n in lengths]
+    tokenizer = LengthTokenizer()
+    records = generate_answers(MODEL, tokenizer, tmp_path / "answers.jsonl", prompts, max_new_tokens=1, batch_size=8)
+    training, held_out = split_records(records)
+    prompt_of = {tuple(tokenizer.prompt_ids(p, raw=False)): p for p in prompts}
+    named = held_out_prompts(tokenizer, prompts)
+    assert sorted(prompt_of[tuple(r["prompt_ids"])] for r in held_out) == sorted(named) and len(named) == 4
+    assert not {prompt_of[tuple(r["prompt_ids"])] for r in training} & set(named)
