@@ -144,12 +144,12 @@ def before_the_loop(answer: str) -> str:
         offset += len(line)
     grams = list(word_grams(answer))
     looping = {gram for gram, count in Counter(gram for _, gram in grams).items() if count >= 3}
-    seen = set()
+    met = set()
     for start, gram in grams:
-        if gram in looping and gram in seen:
+        if gram in looping and gram in met:
             end = min(end, answer.rfind("\n", 0, start) + 1)  # the start of that line
             break
-        seen.add(gram)
+        met.add(gram)
     return answer[:end]
 
 

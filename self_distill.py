@@ -31,7 +31,7 @@ from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, target_probs
 
-VALIDATION_EVERY = 10  # every 10th prompt's answers are held out: accuracies and tree statistics come from these
+VALIDATION_EVERY = 10  # every 10th record's answers are held out: accuracies and tree statistics come from these
 
 
 def answer_order(prompt_ids: list[list[int]]) -> list[int]:
@@ -158,9 +158,9 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
 def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, max_new_tokens: int,
                      batch_size: int = 16, sampling: Sampling = Sampling(), seed: int = 0) -> list[dict]:
     """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, in
-    answer_order (shortest prompt first), greedy or sampled (batch i drawing from a generator seeded with seed + i, so a
-    resumed run draws what an uninterrupted one would, on the same device with the same batch size).
-    Returns all records."""
+    answer_order (shortest prompt first), greedy or sampled (batch i drawing from a generator seeded
+    with seed + i, so a resumed run draws what an uninterrupted one would, on the same device with the
+    same batch size). Returns all records."""
     count = len(prompts)
     done = read_records(out_file)
     if len(done) >= count:
