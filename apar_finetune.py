@@ -137,10 +137,11 @@ def before_the_loop(answer: str) -> str:
     `repetitive`: no line comes twice, and no 8 words more than twice."""
     end, seen, offset = len(answer), set(), 0
     for line in answer.splitlines(keepends=True):
-        if line.strip() and line_key(line) in seen:
+        key = line_key(line)
+        if key and key in seen:
             end = offset
             break
-        seen.add(line_key(line))
+        seen.add(key)
         offset += len(line)
     grams = list(word_grams(answer))
     looping = {gram for gram, count in Counter(gram for _, gram in grams).items() if count >= 3}
