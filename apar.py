@@ -56,10 +56,12 @@ from itertools import accumulate
 
 import torch
 
-from drafters import Drafter, Request
+import artifacts
+from cpu_kernels import prepare_tree_kernels
+from drafters import Drafter, Pass, Request
 from errors import UserError
 from kv_cache import KVCache
-from meter import Meter
+from meter import Counts, Meter
 from model import causal_mask, require_finite, room_for_new_tokens
 from sampling import Sampling
 from tree import Tree
@@ -106,7 +108,8 @@ def restore(root: Paragraph) -> list[int]:
 # ---- the cache: a pool of slots -----------------------------------------------------------------
 
 class SlotCache(KVCache):
-    """A KV cache whose slots are handed out one by one and given back when no thread needs them.
+    """A KV cache whose slots are handed out from a pool and given back when no thread needs them:
+    an allocator on top of KVCache, whose `write` stores each pass's K/V in the slots it was given.
 
     `allocate(n)` picks the n lowest free slots for the next forward pass; attention then runs over
     slots [0, length), `length` being the highest slot ever used + 1, and each row's mask says which
@@ -117,13 +120,11 @@ class SlotCache(KVCache):
         super().__init__(*args, **kwargs)
         self.free = list(range(self.capacity))  # a heap: the lowest slot first keeps `length` small
         self.in_use = self.peak = 0
-        self.targets = None  # the slots the next forward pass writes
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self.free):
             raise RuntimeError(f"KV cache full: {self.in_use} slots in use, {count} more needed, capacity {self.capacity}")
         slots = [heapq.heappop(self.free) for _ in range(count)]
-        self.targets = torch.tensor(slots, device=self.keys.device)
         self.length = max(self.length, max(slots) + 1)
         self.in_use += count
         self.peak = max(self.peak, self.in_use)
@@ -134,14 +135,59 @@ class SlotCache(KVCache):
             heapq.heappush(self.free, slot)
         self.in_use -= len(slots)
 
-    def reserve(self, count: int) -> None:
-        if self.targets is None or len(self.targets) != count:
-            raise RuntimeError("allocate() the slots of a forward pass before running it")
 
-    def write(self, layer: int, k, v):
-        self.keys[layer, :, :, self.targets] = k  # k, v: [B, K, T, E] into T scattered slots
-        self.values[layer, :, :, self.targets] = v
-        return self.keys[layer, :, :, :self.length], self.values[layer, :, :, :self.length]
+# ---- loading: the base model with the adapter merged ---------------------------------------------
+
+ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
+
+
+def adapted_linears(model) -> dict[str, torch.nn.Module]:
+    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
+    modules = dict(model.named_modules())
+    return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
+            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
+
+
+def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding matrix [V, D] with the [Fork] and [Child] rows replaced by `rows` [2, D] (out of
+    place, so gradients reach `rows` when training)."""
+    ids = torch.tensor([control.fork, control.child], device=weight.device)
+    return weight.index_put((ids,), rows.to(weight.dtype))
+
+
+@torch.no_grad()
+def require_tied_embeddings(model) -> None:
+    """The trained [Fork]/[Child] rows serve as both input embeddings and LM-head rows, which needs
+    the two matrices to be one (as on the default model)."""
+    if not model.config.tie_embeddings:
+        raise UserError("APAR here supports models with tied embeddings only (the default model's): "
+                        "the trained [Fork]/[Child] rows are input and output rows at once")
+
+
+def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
+    """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
+    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
+    tied to the LM head, set to their trained values."""
+    require_tied_embeddings(model)
+    wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
+    for name, linear in adapted_linears(model).items():
+        update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
+        linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
+                                           requires_grad=False)
+    embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
+    model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
+    model.lm_head.weight = model.embed.weight
+
+
+def load_apar_model(model, tokenizer, path) -> "AparEngine":
+    """Make `model` the APAR model with the adapter at `path` (made by train_prompt.py apar), in place;
+    returns the engine that decodes with it."""
+    control = ControlTokens.of(tokenizer)
+    tensors, _ = artifacts.load(path, "apar", model)
+    with artifacts.unpacking(path, "apar"):
+        apply_adapter(model, tensors, control)
+    prepare_tree_kernels(model)  # the threads of a step go through the model together
+    return AparEngine(model, control)
 
 
 # ---- threads and the engine ---------------------------------------------------------------------
@@ -178,21 +224,29 @@ class AparGeneration:
     token_ids: list[int] = field(default_factory=list)  # the restored answer, control tokens removed
     stop_reason: str = ""  # "eos" (every thread ended), "max_new_tokens" or "context"
     threads: int = 1  # generation threads in all (#T in Tables 7-8)
-    forward_passes: int = 0  # including the prefill
+    counts: Counts = field(default_factory=Counts)  # forward passes (the prefill's included), guesses fed and accepted
     tokens_sampled: int = 0  # by all threads: the answer plus [Fork]s and EOSs
     max_cached_tokens: int = 0  # peak K/V slots in use (prompt included)
     attended_tokens: int = 0  # summed over every token fed after the prefill: the slots its row saw
     tokens_fed: int = 0  # tokens fed after the prefill (pending tokens, guesses and [Child]s)
-    guesses_proposed: int = 0  # guessed tokens fed (APAR + a guesser)
-    guesses_accepted: int = 0  # of those, tokens that became some thread's
     thread_tokens_per_pass: list[float] = field(default_factory=list)  # per thread: tokens chosen per verdict
     decode_seconds: float = 0.0
     kv_cache_bytes: int = 0
 
 
 @dataclass
+class ThreadPass:
+    """One thread's part of a forward pass, as a watcher (visualize.py threads) is told of it."""
+    number: int  # the forward pass (1: the prefill)
+    thread: int  # the thread's index in the group (0: the root)
+    tokens: list[int]  # the tokens it chose
+    accepted: int  # of those, accepted guesses
+    forked: list[int]  # the threads it forked, by index
+
+
+@dataclass
 class AparEngine:
-    """The APAR model (the base model with the adapter merged, apar_finetune.load_apar_model), its
+    """The APAR model (the base model with the adapter merged, load_apar_model), its
     control tokens and, optionally, a guesser (() -> a Drafter) giving each thread a drafter of its own:
     what `--method apar` runs instead of the guess-and-verify loop."""
     model: torch.nn.Module
@@ -212,16 +266,15 @@ MAX_GUESSES_PER_PASS = 32
 def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_new_tokens: int,
                   eos_ids: set[int], sampling: Sampling = Sampling(), generator=None,
                   guesser: Callable[[], Drafter] | None = None, max_guesses: int = MAX_GUESSES_PER_PASS,
-                  choose=None, watch=None) -> AparGeneration:
+                  watch=None) -> AparGeneration:
     """Decode one prompt with APAR. `guesser()` (optional) makes each new thread's drafter; a pass
     feeds at most `max_guesses` guesses over all threads (each live thread gets an even share of them,
-    cut from its tree). Each thread's tree is verified on its own (`verifier`); tests pass `choose(logits
-    [V], thread) -> token` instead, to script threads that guess nothing. At most `max_new_tokens`
-    tokens are chosen over all threads. `watch(pass number, thread number, tokens, accepted guesses
-    among them, threads it forked)` is told every verdict taken (visualize.py threads draws them)."""
+    cut from its tree). Each thread's tree is verified on its own (`verifier`). At most
+    `max_new_tokens` tokens are chosen over all threads. `watch(ThreadPass)` is told every verdict
+    taken (visualize.py threads draws them)."""
     context = model.config.max_positions
     budget = room_for_new_tokens(model, prompt_ids, max_new_tokens)
-    judge = verifier(control, sampling, generator) if choose is None else scripted(choose)
+    judge = verifier(control, sampling, generator)
 
     def started(thread: Thread) -> Thread:  # a new thread's drafter learns the thread's own sequence
         if guesser is not None:
@@ -231,20 +284,13 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
 
     # every chosen token and every forced [Child] (at most one per [Fork]) is fed once; guesses on top
     cache = SlotCache.for_model(model, capacity=len(prompt_ids) + 2 * budget + (max_guesses if guesser else 0))
-    meter = Meter(model.device)
-
-    root_paragraph = Paragraph()
-    root = Thread(list(prompt_ids), cache.allocate(len(prompt_ids)), root_paragraph)
-    positions = torch.arange(len(prompt_ids), device=model.device)
-    hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
-                                 cache=cache, mask=causal_mask(0, len(prompt_ids), model.device))  # slots 0..P-1
-    meter.count(forward_passes=1)
-    group = [root]
-    first = judge(Tree.chain(prompt_ids[-1], []), require_finite(model.logits(hidden[0, -1:]), model), root)
-    root.append(first.tokens[0])
-    started(root)
+    meter, counts = Meter(model.device), Counts()
+    root = prefill(model, cache, prompt_ids, judge)  # 1. the prompt's pass: the root thread's first token
+    counts.add_pass()
+    root_paragraph, group = root.paragraph, [started(root)]
+    tokens_fed = attended_tokens = 0  # after the prefill: rows fed, and the slots each row saw
     if watch:
-        watch(1, 0, first.tokens, 0, [])
+        watch(ThreadPass(1, 0, root.tokens[-1:], 0, []))
     chosen, stop_reason = 1, ""  # tokens chosen over all threads
     finish_if_done(root, eos_ids, cache, group)
     while not stop_reason:
@@ -256,33 +302,47 @@ def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_n
             stop_reason = "context"
             break
         trees = [proposal(thread, max_guesses // len(live), min(budget - chosen - 1, context - len(thread.tokens)))
-                 for thread in live]
-        logits, tree_slots = step(model, cache, live, trees, meter)  # per thread: [N_i, V], its N_i slots
-        for thread, tree, rows, slots in zip(live, trees, logits, tree_slots):
+                 for thread in live]  # 2. propose: each thread its pending token and guesses
+        fed, attended = step(model, cache, live, trees)  # 3. ONE forward pass for every live thread
+        tokens_fed, attended_tokens = tokens_fed + sum(map(len, trees)), attended_tokens + attended
+        proposed = accepted = 0
+        for thread, tree, (hidden, logits, slots) in zip(live, trees, fed):  # 4. each thread takes its verdict
             if chosen == budget:
                 stop_reason = "max_new_tokens"
                 break
-            verdict = judge(tree, rows, thread)
-            threads_before = len(group)
+            verdict = judge(tree, logits, thread)
+            threads_before, fed_before = len(group), len(thread.slots) - 1  # (its pending token's slot joined)
             new_tokens = advance(thread, verdict, slots, budget - chosen, control, eos_ids, group, started)
-            chosen += new_tokens
-            accepted = min(new_tokens, verdict.accepted_guesses)  # (the budget or an EOS may cut the path)
-            meter.count(guesses_proposed=tree.draft_size, guesses_accepted=accepted)
+            guessed = min(len(new_tokens), verdict.accepted_guesses)  # (the budget or an EOS may cut the path)
+            chosen, proposed, accepted = chosen + len(new_tokens), proposed + tree.draft_size, accepted + guessed
+            if thread.drafter is not None:
+                thread.drafter.after_pass(Pass(tree, fed_before, verdict.path, new_tokens, hidden, logits, verdict))
             if watch:
-                watch(meter.counts["forward_passes"], group.index(thread), thread.tokens[-new_tokens:], accepted,
-                      list(range(threads_before, len(group))))
+                watch(ThreadPass(counts.forward_passes + 1, group.index(thread), new_tokens, guessed,
+                                 list(range(threads_before, len(group)))))
             kept = set(thread.slots[-len(slots):])  # the pending token's and the accepted guesses'
             cache.release([slot for slot in slots if slot not in kept])  # rejected, unreached, after an EOS
-            finish_if_done(thread, eos_ids, cache, group)
+            finish_if_done(thread, eos_ids, cache, group)  # 5. an ended thread gives back its slots
+        counts.add_pass(proposed, accepted)
     control_ids = {control.fork, control.child} | set(eos_ids)
     return AparGeneration([t for t in restore(root_paragraph) if t not in control_ids], stop_reason,
-                          threads=len(group), forward_passes=meter.counts["forward_passes"],
-                          tokens_sampled=chosen, max_cached_tokens=cache.peak,
-                          attended_tokens=meter.counts["attended_tokens"], tokens_fed=meter.counts["tokens_fed"],
-                          guesses_proposed=meter.counts["guesses_proposed"],
-                          guesses_accepted=meter.counts["guesses_accepted"],
+                          threads=len(group), counts=counts, tokens_sampled=chosen, max_cached_tokens=cache.peak,
+                          attended_tokens=attended_tokens, tokens_fed=tokens_fed,
                           thread_tokens_per_pass=[t.chosen / t.passes for t in group if t.passes],
                           decode_seconds=meter.elapsed(), kv_cache_bytes=cache.memory_bytes())
+
+
+def prefill(model, cache: SlotCache, prompt_ids: list[int], judge) -> Thread:
+    """The prompt's pass, causal, into the first slots: the root thread, holding its first token."""
+    slots = cache.allocate(len(prompt_ids))  # 0..P-1: the pool is fresh
+    hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device),
+                                 positions=torch.arange(len(prompt_ids), device=model.device), cache=cache,
+                                 slots=torch.tensor(slots, device=model.device),
+                                 mask=causal_mask(0, len(prompt_ids), model.device))
+    logits = require_finite(model.logits(hidden[0, -1:]), model)  # [1, V]
+    root = Thread(list(prompt_ids), slots, Paragraph())
+    root.append(judge(Tree.chain(prompt_ids[-1], []), logits, root).tokens[0])
+    return root
 
 
 def proposal(thread: Thread, share: int, max_depth: int) -> Tree:
@@ -294,11 +354,11 @@ def proposal(thread: Thread, share: int, max_depth: int) -> Tree:
     return tree.subtree(range(min(len(tree), share + 1)))  # parents come first: a prefix is a tree
 
 
-def step(model, cache: SlotCache, live: list[Thread], trees: list[Tree], meter: Meter):
+def step(model, cache: SlotCache, live: list[Thread], trees: list[Tree]):
     """ONE forward pass feeding every live thread's tree (its pending token, then its guesses). A row
     sees its thread's slots and its own ancestors in the tree, at position (tokens the thread has fed)
-    + depth. The pending token's slot joins its thread at once. Returns, per thread, the logits
-    [N_i, V] and the slots of its tree's N_i nodes."""
+    + depth. The pending token's slot joins its thread at once. Returns, per thread, the hidden states
+    [N_i, D], logits [N_i, V] and slots of its tree's N_i nodes, and the slots all rows saw in all."""
     sizes = [len(tree) for tree in trees]
     slots = cache.allocate(sum(sizes))
     tree_slots = [slots[start:start + size] for start, size in zip(accumulate([0] + sizes), sizes)]
@@ -313,16 +373,16 @@ def step(model, cache: SlotCache, live: list[Thread], trees: list[Tree], meter: 
         thread.slots.append(own[0])
     tokens = torch.tensor([[token for tree in trees for token in tree.tokens]], device=model.device)  # [1, R]
     hidden = model.hidden_states(tokens, positions=torch.tensor(positions, device=model.device), cache=cache,
-                                 mask=mask.to(model.device))
-    meter.count(forward_passes=1, tokens_fed=len(slots), attended_tokens=int(mask.sum()))
-    return model.logits(hidden[0]).split(sizes), tree_slots
+                                 slots=torch.tensor(slots, device=model.device), mask=mask.to(model.device))[0]
+    logits = model.logits(hidden)  # [R, V]
+    return list(zip(hidden.split(sizes), logits.split(sizes), tree_slots)), int(mask.sum())
 
 
 def advance(thread: Thread, verdict: Verdict, slots: list[int], room: int, control: ControlTokens,
-            eos_ids: set[int], group: list[Thread], started) -> int:
+            eos_ids: set[int], group: list[Thread], started) -> list[int]:
     """Take a thread's verdict token by token, at most `room` of them: fork when the token before was
     [Fork] (a guessed [Fork] forks where it stands), append, keep the slot of each accepted guess (it
-    was fed there), stop at EOS. Returns how many tokens the thread chose."""
+    was fed there), stop at EOS. Returns the tokens the thread chose."""
     new_tokens = verdict.tokens[:room]
     for i, token in enumerate(new_tokens):
         if thread.tokens[-1] == control.fork:
@@ -335,9 +395,7 @@ def advance(thread: Thread, verdict: Verdict, slots: list[int], room: int, contr
             break
     thread.passes += 1
     thread.chosen += len(new_tokens)
-    if thread.drafter is not None:
-        thread.drafter.extend(new_tokens)
-    return len(new_tokens)
+    return new_tokens
 
 
 def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: list[Thread]) -> None:
@@ -362,14 +420,6 @@ def verifier(control: ControlTokens, sampling: Sampling, generator):
     return judge
 
 
-def scripted(choose):
-    """Tests' threads: `choose(logits [V], thread)` picks each token, and nothing is guessed."""
-    def judge(tree: Tree, logits: torch.Tensor, thread: Thread) -> Verdict:
-        assert tree.draft_size == 0, "scripted threads guess nothing"
-        return Verdict.of(tree, [0], choose(logits[0], thread))
-    return judge
-
-
 # ---- statistics ---------------------------------------------------------------------------------
 
 def statistics(gen: AparGeneration, prompt_length: int) -> dict:
@@ -381,8 +431,8 @@ def statistics(gen: AparGeneration, prompt_length: int) -> dict:
         "stop_reason": gen.stop_reason,
         "threads": gen.threads,
         "parallel": gen.threads > 1,
-        "forward_passes": gen.forward_passes,
-        "tokens_per_pass": round(new / gen.forward_passes, 4),
+        "forward_passes": gen.counts.forward_passes,
+        "tokens_per_pass": round(new / gen.counts.forward_passes, 4),
         "tokens_sampled": gen.tokens_sampled,
         "max_cached_tokens": gen.max_cached_tokens,
         "flattened_max_cached_tokens": prompt_length + new,
@@ -391,8 +441,8 @@ def statistics(gen: AparGeneration, prompt_length: int) -> dict:
         "decode_seconds": round(gen.decode_seconds, 4),
         "tokens_per_second": round(new / gen.decode_seconds, 3),
         "kv_cache_bytes": gen.kv_cache_bytes,
-        "guesses_proposed": gen.guesses_proposed,
-        "guesses_accepted": gen.guesses_accepted,
+        "guesses_proposed": gen.counts.guesses_proposed,
+        "guesses_accepted": gen.counts.guesses_accepted,
         "thread_tokens_per_pass": [round(tau, 3) for tau in gen.thread_tokens_per_pass],  # tau of each thread
     }
 

@@ -3,7 +3,7 @@ answers into paragraph trees, the adapter that makes the base model fork, and th
 
 Read in this order: `structure` (the text rules), `training_example` (one sequence with a tree
 attention mask and a label per token), `AparAdapter` and `apar_logits` (the loss's forward pass),
-`apply_adapter` (merged at load time; decoding is apar.py's engine). `python train_prompt.py apar`
+apar.apply_adapter (merged at load time; decoding is apar.py's engine). `python train_prompt.py apar`
 runs the training (train_prompt.py).
 
 The paper fine-tunes all weights; this trains a rank-16 LoRA update of every layer's attention
@@ -47,10 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import artifacts
-from apar import AparEngine, ControlTokens
-from cpu_kernels import prepare_tree_kernels
-from errors import UserError
+from apar import ControlTokens, adapted_linears, with_control_rows
 from self_distill import held_out_prompts, training_prompts, usable_prompts
 from tree import Tree
 
@@ -282,58 +279,6 @@ def training_example(prompt_ids: list[int], answer_ids: list[int], tokenizer, co
 
 
 # ---- the adapter: base weights + a low-rank update, merged at load time -----------------------
-
-ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
-
-
-def adapted_linears(model) -> dict[str, torch.nn.Module]:
-    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
-    modules = dict(model.named_modules())
-    return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
-            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
-
-
-def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
-    """The embedding matrix [V, D] with the [Fork] and [Child] rows replaced by `rows` [2, D] (out of
-    place, so gradients reach `rows` when training)."""
-    ids = torch.tensor([control.fork, control.child], device=weight.device)
-    return weight.index_put((ids,), rows.to(weight.dtype))
-
-
-@torch.no_grad()
-def require_tied_embeddings(model) -> None:
-    """The trained [Fork]/[Child] rows serve as both input embeddings and LM-head rows, which needs
-    the two matrices to be one (as on the default model)."""
-    if not model.config.tie_embeddings:
-        raise UserError("APAR here supports models with tied embeddings only (the default model's): "
-                        "the trained [Fork]/[Child] rows are input and output rows at once")
-
-
-def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlTokens) -> None:
-    """Turn the base model into the APAR model, in place: W += up @ down for every adapted Linear
-    (LoRA's update merged, so decoding costs nothing extra) and the control tokens' embedding rows,
-    tied to the LM head, set to their trained values."""
-    require_tied_embeddings(model)
-    wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
-    for name, linear in adapted_linears(model).items():
-        update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
-        linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
-                                           requires_grad=False)
-    embed = with_control_rows(model.embed.weight, control, tensors["control_embeddings"])
-    model.embed.weight = torch.nn.Parameter(embed, requires_grad=False)
-    model.lm_head.weight = model.embed.weight
-
-
-def load_apar_model(model, tokenizer, path) -> AparEngine:
-    """Make `model` the APAR model with the adapter at `path` (made by train_prompt.py apar), in place;
-    returns the engine that decodes with it."""
-    control = ControlTokens.of(tokenizer)
-    tensors, _ = artifacts.load(path, "apar", model)
-    with artifacts.unpacking(path, "apar"):
-        apply_adapter(model, tensors, control)
-    prepare_tree_kernels(model)  # the threads of a step go through the model together
-    return AparEngine(model, control)
-
 
 # ---- training: the loss on a paragraph tree ------------------------------------------------------
 

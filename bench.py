@@ -171,7 +171,7 @@ def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
 
 def timed_run(model, prompt_ids, drafter, args, eos_ids, seed, vanilla_ids=None) -> Run:
     gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
-    return Run(len(gen.token_ids), gen.forward_passes, gen.decode_seconds, gen.decode_seconds - gen.prefill_seconds,
+    return Run(len(gen.token_ids), gen.counts.forward_passes, gen.decode_seconds, gen.decode_seconds - gen.prefill_seconds,
                vanilla_ids is None or gen.token_ids == vanilla_ids, gen.token_ids)
 
 
@@ -341,7 +341,7 @@ def bench_acceptance(args, tokenizer, report):
 
     def count(method):
         def watch(step):
-            for node, outcome in enumerate(step.verdict.outcomes(step.tree)):
+            for node, outcome in enumerate(step.outcomes()):
                 if node and outcome != "unreached":
                     per_method[method][0] += outcome == "accepted"
                     per_method[method][1] += 1
@@ -387,12 +387,12 @@ def bench_speculative(args, tokenizer, report):
     counts = {gamma: [0, 0] for gamma in args.gammas}  # accepted guesses, rejections
     for number, prompt_ids in enumerate(prompts, 1):
         vanilla = generation(model, prompt_ids, Drafter(), args, tokenizer.eos_ids, number)
-        tallies["vanilla"].add(vanilla.token_ids, vanilla.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
+        tallies["vanilla"].add(vanilla.token_ids, vanilla.counts.forward_passes, vanilla.decode_seconds, vanilla.token_ids)
         for gamma in args.gammas:
             gen = generation(model, prompt_ids, DraftModelDrafter(draft, gamma), args, tokenizer.eos_ids, number)
-            tallies[gamma].add(gen.token_ids, gen.forward_passes, gen.decode_seconds, vanilla.token_ids)
-            counts[gamma][0] += gen.draft_tokens_accepted
-            counts[gamma][1] += gen.draft_rejections
+            tallies[gamma].add(gen.token_ids, gen.counts.forward_passes, gen.decode_seconds, vanilla.token_ids)
+            counts[gamma][0] += gen.counts.guesses_accepted
+            counts[gamma][1] += gen.counts.rejections
         print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr, flush=True)
 
     mode = f"temperature {args.temperature}" if args.temperature else "greedy"
@@ -522,7 +522,7 @@ class AparTally:
 
 def vanilla_statistics(gen, answer: list[int], prompt_length: int) -> dict:
     """apar.statistics of a vanilla `answer` (EOS left out): one thread, decoded as a flattened answer is."""
-    flat = apar.statistics(apar.AparGeneration(answer, gen.stop_reason, forward_passes=gen.forward_passes,
+    flat = apar.statistics(apar.AparGeneration(answer, gen.stop_reason, counts=gen.counts,
                                                decode_seconds=gen.decode_seconds), prompt_length)
     return flat | {"max_cached_tokens": flat["flattened_max_cached_tokens"],
                    "attended_tokens": flat["flattened_attended_tokens"]}
@@ -590,8 +590,8 @@ def bench_apar(args, tokenizer, report):
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
                                   answer_nll(base, prompt_ids, gen.token_ids), has_points)
-            print(f"  {category} {number}/{len(texts)}: vanilla {vanilla.forward_passes} passes, APAR "
-                  f"{gen.threads} threads, {gen.forward_passes} passes", file=sys.stderr, flush=True)
+            print(f"  {category} {number}/{len(texts)}: vanilla {vanilla.counts.forward_passes} passes, APAR "
+                  f"{gen.threads} threads, {gen.counts.forward_passes} passes", file=sys.stderr, flush=True)
         rows += [apar_row(category, name, tally, tallies["vanilla"]) for name, tally in tallies.items()]
     columns = [Column("category"), Column("decoder"), Column("answers"), Column("threads", "threads (#T)", "{:.1f}"),
                Column("parallel", "parallel (%P)", "{:.0%}"),

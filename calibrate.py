@@ -60,7 +60,7 @@ def prefilled_cache(model, cached: int, room: int) -> KVCache:
     cache = KVCache.for_model(model, capacity=cached + room)
     with torch.inference_mode():
         model(torch.randint(0, model.config.vocab_size, (1, cached), device=model.device),
-              positions=torch.arange(cached, device=model.device), cache=cache)
+              positions=torch.arange(cached, device=model.device), cache=cache, slots=cache.claim(cached))
     return cache
 
 
@@ -81,7 +81,7 @@ def step_latency(model, cache: KVCache, rows: int, reps: int, whole_step: bool =
             logits = model.logits(score_tree(model, cache, tree))
             cache.keep(cached, verify_greedy(tree, logits).path)
         else:
-            model(new, positions=positions, cache=cache)
+            model(new, positions=positions, cache=cache, slots=cache.claim(rows))
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         cache.truncate(cached)
@@ -202,7 +202,7 @@ def measured_tau(model, tokenizer, drafter, raw: bool = False) -> float:
         for prompt in PROMPTS:
             gen = generate(model, tokenizer.prompt_ids(prompt, raw=raw)[-room:], max_new_tokens=room,
                            eos_ids=tokenizer.eos_ids, drafter=drafter)
-            tokens, passes = tokens + len(gen.token_ids) - 1, passes + gen.forward_passes - 1
+            tokens, passes = tokens + len(gen.token_ids) - 1, passes + gen.counts.forward_passes - 1
     return tokens / max(passes, 1)
 
 

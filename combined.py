@@ -14,8 +14,9 @@ Sources, each a drafter of its own (drafters.py, ppd.py):
 Each source proposes its own tree; their root-to-leaf branches are merged into one tree by shared
 prefix (tree.Tree.from_branches), so a guess that two sources agree on is one node carrying both
 sources' evidence. Cost-aware drafting (cost_aware.py) then keeps, each step, the part of it that pays,
-ranking every node by the same calibrated acceptance estimates under the same L(n), and the soft
-tokens when their expected guesses for the next pass pay for their inputs in this one. Verification is
+ranking every node by the same calibrated acceptance estimates under the same L(n); the drafter
+itself carries the soft tokens when their expected guesses for the next pass pay for their inputs in
+this one (cost_aware.Costs.extra_inputs_pay). Verification is
 the same as for every method: the tree rule of verify.py treats any mix of deterministic guesses, so
 greedy output is vanilla's and sampling stays exact.
 """
@@ -24,10 +25,10 @@ from collections.abc import Sequence
 
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from ppd import PPDDrafter
-from tree import Tree
+from tree import Evidence, Tree
 
 
-def branches(tree: Tree) -> tuple[list[list[int]], list[list[tuple]]]:
+def branches(tree: Tree) -> tuple[list[list[int]], list[list[tuple[Evidence, ...]]]]:
     """Every root-to-leaf path of `tree` as tokens, with each token's evidence."""
     paths, evidence = [], []
     for leaf in range(1, len(tree)):
@@ -48,22 +49,17 @@ class SoftTokensOnRoot(Drafter):
 
     def __init__(self, ppd: PPDDrafter):
         self.ppd = ppd
-        self.max_draft_tokens = max(len(state.spec) for state in ppd.dynamic_tree.states.values())
+        self.max_extra_inputs = max(len(state.spec) for state in ppd.dynamic_tree.states.values())
         self.gain = ppd.predicted_tokens_per_pass - 1  # accepted guesses per pass (held-out accuracies)
 
     def begin(self, request):
         self.ppd.begin(request)
 
-    def extend(self, tokens):
-        self.ppd.extend(tokens)
+    def prefill_tree(self, prompt_ids):
+        return self.ppd.prefill_tree(prompt_ids)
 
-    def observe(self, hidden, soft_logits):
-        self.ppd.candidates = []  # the last accepted node was not the root: it carried none
-        if len(soft_logits):
-            self.ppd.observe(hidden, soft_logits)
-
-    def prompt_tree(self, prompt_ids):
-        return self.ppd.prompt_tree(prompt_ids)
+    def after_pass(self, done):
+        self.ppd.after_pass(done)  # (guesses only when the last accepted node was the root: it carried them)
 
     def propose(self):
         candidates = self.ppd.candidates
@@ -72,34 +68,31 @@ class SoftTokensOnRoot(Drafter):
         spec = self.ppd.dynamic_tree.states[len(candidates)].spec
         return Tree.from_topk(self.ppd.history[-1], candidates, spec, accuracy=self.ppd.accuracy, source="ppd")
 
-    def with_root_soft_tokens(self, tree: Tree) -> Tree:
+    def on_root(self, tree: Tree) -> Tree:
         """`tree` with every soft token (each in all its ensemble copies) on its root."""
-        soft = self.ppd.soft_tokens
-        carried = Tree(tree.tokens, tree.parents, soft_counts=[soft.count] + [0] * tree.draft_size,
-                       ensembles=soft.ensembles, evidence=tree.evidence)
-        return self.ppd.with_soft_inputs(carried)
-
-    @staticmethod
-    def without_soft_tokens(tree: Tree) -> Tree:
-        return Tree(tree.tokens, tree.parents, evidence=tree.evidence)
+        return self.ppd.carrying(tree, [self.ppd.soft_tokens.count] + [0] * tree.draft_size)
 
 
 class CombinedDrafter(Drafter):
-    """Sources' trees merged into one (their own budgets summed); `soft` adds PPD's soft tokens."""
+    """Sources' trees merged into one (their own budgets summed); `soft` adds PPD's soft tokens, on
+    every pass or, with `costs` (cost-aware drafting, cost_aware.Costs), when they pay."""
 
-    def __init__(self, sources: Sequence[Drafter], soft: SoftTokensOnRoot | None = None):
+    def __init__(self, sources: Sequence[Drafter], soft: SoftTokensOnRoot | None = None, costs=None):
         self.sources = list(sources) + ([soft] if soft else [])
-        self.soft = soft
-        self.budget = sum(source.max_draft_tokens for source in self.sources)  # guessed nodes
-        self.max_draft_tokens = self.budget
+        self.soft, self.costs = soft, costs
+        self.budget = sum(source.max_extra_inputs for source in self.sources)  # guessed nodes
+        self.max_extra_inputs = self.budget
         if soft:  # the root's soft tokens are inputs too, as are the prefill's after the prompt
             soft_inputs = soft.ppd.soft_tokens.count * soft.ppd.soft_tokens.ensembles
-            self.max_draft_tokens = max(self.budget + soft_inputs, soft.ppd.max_draft_tokens)
+            self.max_extra_inputs = max(self.budget + soft_inputs, soft.ppd.max_extra_inputs)
 
     def begin(self, request):
         super().begin(request)
         for source in self.sources:
             source.begin(request)
+
+    def prefill_tree(self, prompt_ids):
+        return self.soft.prefill_tree(prompt_ids) if self.soft else super().prefill_tree(prompt_ids)
 
     def propose(self):
         paths, evidence = [], []
@@ -108,26 +101,21 @@ class CombinedDrafter(Drafter):
             paths += source_paths
             evidence += source_evidence
         tree = Tree.from_branches(self.history[-1], paths, self.budget, merge=True, evidence=evidence)
-        return self.soft.with_root_soft_tokens(tree) if self.soft else tree
+        if not self.soft:
+            return tree
+        carried = self.soft.on_root(tree)
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.soft.gain):
+            return carried
+        return tree
 
-    def extend(self, tokens):
-        super().extend(tokens)
+    def after_pass(self, done):
+        super().after_pass(done)
         for source in self.sources:
-            source.extend(tokens)
-
-    def observe(self, hidden, soft_logits):
-        for source in self.sources:
-            source.observe(hidden, soft_logits)
-
-    def prompt_tree(self, prompt_ids):
-        return self.soft.prompt_tree(prompt_ids) if self.soft else None
-
-    def end(self):
-        for source in self.sources:
-            source.end()
+            source.after_pass(done)
 
 
-def combined_drafter(ngram: NGramDrafter, trie: TrieDrafter, ppd: PPDDrafter | None, latency) -> CombinedDrafter:
+def combined_drafter(ngram: NGramDrafter, trie: TrieDrafter, ppd: PPDDrafter | None, latency,
+                     costs=None) -> CombinedDrafter:
     """ANPD's n-grams and Lookahead's trie, and PPD's soft tokens where they pay on this machine: a
     pass carrying them costs L(1 + S) for S soft-token inputs instead of L(1), and (when it accepts
     no other guess) gives the next pass 1 + f tokens, f the expected accepted guesses of PPD's tree
@@ -139,4 +127,4 @@ def combined_drafter(ngram: NGramDrafter, trie: TrieDrafter, ppd: PPDDrafter | N
         gain = ppd.predicted_tokens_per_pass
         if latency(inputs) / latency(1) < gain:
             soft = SoftTokensOnRoot(ppd)
-    return CombinedDrafter([ngram, trie], soft)
+    return CombinedDrafter([ngram, trie], soft, costs)

@@ -32,12 +32,13 @@ the papers do.
 
 What a pass costs: L(n), a whole pass of the loop over n inputs on this machine (measured once,
 calibrate.machine_latency), plus the drafter's own mean time per pass (Medusa's heads, retrieval).
-A draft model pays a draft step per guess before anything can be cut, so it first drafts only as
-many as pay (best_draft_length). The combined drafter's soft tokens are sent when their guesses for
-the next pass pay (CostAware.soft_tokens_if_they_pay); Medusa's heads, which cost their time
-whatever is sent, run only when their tree could pay that too (CostAware.heads_pay). And after
-PROBE_EVERY passes in a row whose guesses were all cut, one pass sends them whole, so that estimates
-made low by a few early misses can recover (a probe that finds nothing doubles the wait for the next).
+`Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
+A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
+as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
+time too (`worth_running`), and `--method auto` carries PPD's soft tokens when their guesses for the
+next pass pay for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY passes in a row
+whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
+misses can recover (a probe that finds nothing doubles the wait for the next).
 """
 
 import bisect
@@ -46,10 +47,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from combined import CombinedDrafter, SoftTokensOnRoot
-from drafters import Drafter, DraftModelDrafter
-from medusa import MedusaDrafter
-from tree import Tree
+from drafters import Drafter, Pass
+from tree import Evidence, Tree
 
 Key = tuple  # what a guess's outcome is filed under
 
@@ -110,7 +109,7 @@ class AcceptanceEstimates:
     def probability(self, key: Key, prior: float) -> float:
         return (self.accepted[key] + self.PRIOR_WEIGHT * prior) / (self.judged[key] + self.PRIOR_WEIGHT)
 
-    def of_node(self, evidence: Sequence[tuple]) -> float:
+    def of_node(self, evidence: Sequence[Evidence]) -> float:
         """A guess's estimate: the most confident of the sources that guessed it (0 with none)."""
         return max((self.probability(key, prior) for key, prior in evidence), default=0.0)
 
@@ -148,7 +147,7 @@ def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]
     k in the order of reach, for the best k (see the module docstring). A node's inputs are itself and
     its soft tokens."""
     reached = reach(tree, p)
-    inputs = [1 + count * tree.ensembles for count in tree.soft_counts]
+    inputs = [tree.inputs_of(node) for node in range(len(tree))]
     order = sorted(range(1, len(tree)), key=lambda node: (-reached[node], node))
     expected, rows = 1.0, inputs[0]
     best_rate, best_k = expected / latency(rows), 0
@@ -173,30 +172,24 @@ def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], f
     return max(range(most + 1), key=lambda gamma: (rate(gamma), -gamma))
 
 
-class CostAware(Drafter):
-    """Any drafter's trees, cut each step to what pays on this machine (best_subtree), with the
-    acceptance estimates learned from this generation's verdicts. A draft model, whose every guess
-    costs a draft step, first drafts only as many as pay (best_draft_length)."""
+class Costs:
+    """What cost-aware drafting knows during one generation: L(n), the acceptance estimates learned
+    from this generation's verdicts, the drafter's own time per pass, and when to probe."""
 
     # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
     # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
     # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
     PROBE_EVERY = 16
 
-    def __init__(self, drafter: Drafter, latency: Latency):
-        self.drafter, self.latency = drafter, latency
-        self.max_draft_tokens = drafter.max_draft_tokens
-        if isinstance(drafter, MedusaDrafter):  # its tree's shape and evidence, whatever the heads guess
-            placeholder = [[0] * len(ranks) for ranks in drafter.accuracy]
-            self.heads_tree = Tree.from_topk(0, placeholder, drafter.spec, accuracy=drafter.accuracy, source="medusa")
+    def __init__(self, latency: Latency):
+        self.latency = latency
+        self.begin()
 
-    def begin(self, request):
+    def begin(self) -> None:
         self.estimates = AcceptanceEstimates()
-        self.idle = 0  # passes in a row whose guesses were all cut
+        self.idle = 0  # passes in a row whose guesses were all cut (or never made)
         self.probe_after, self.probing = self.PROBE_EVERY, False
-        self.observe_seconds: list[float] = []  # Medusa's heads, each time they ran
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
-        self.drafter.begin(request)
 
     def pass_cost(self, inputs: int) -> float:
         """Seconds of a pass over `inputs` inputs: L(n), and the drafter's mean time per pass so far
@@ -204,29 +197,11 @@ class CostAware(Drafter):
         return self.latency(inputs) + self.drafter_seconds / max(self.passes, 1)
 
     def timed(self, work):
+        """Run the drafter's `work()`, its seconds counted as a cost of every pass."""
         started = time.perf_counter()
         result = work()
         self.drafter_seconds += time.perf_counter() - started
         return result
-
-    def propose(self):
-        if isinstance(self.drafter, DraftModelDrafter):
-            self.plan_draft(self.drafter)
-        self.passes += 1
-        candidates = self.timed(self.drafter.propose)
-        p = self.estimates_of(candidates)
-        cut = best_subtree if candidates.draft_probs is None else best_chain_prefix
-        tree = cut(candidates, p, self.pass_cost)
-        if len(tree) > 1:
-            self.idle = 0
-        elif len(candidates) > 1:
-            self.idle += 1
-        if self.idle > self.probe_after:
-            tree, self.idle, self.probing = candidates, 0, True
-        if isinstance(self.drafter, CombinedDrafter) and self.drafter.soft:
-            tree = self.soft_tokens_if_they_pay(tree, self.drafter.soft)
-        self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.estimates_of(tree))) - 1)
-        return tree
 
     def estimates_of(self, tree: Tree) -> list[float]:
         """p per node: the root's 1, then each guess's acceptance estimate, scaled down where a node's
@@ -240,66 +215,95 @@ class CostAware(Drafter):
                     p[child] /= total
         return p
 
-    def soft_tokens_if_they_pay(self, tree: Tree, soft: SoftTokensOnRoot) -> Tree:
-        """The combined drafter's soft tokens ride on the root for the next pass's sake: their guesses
-        are used when this pass accepts no guess (probability P0 = 1 - the sum of p over the root's
-        children, which are different tokens), and then bring PPD's expected accepted guesses per pass,
-        G. They stay when (E + P0 G) / L(inputs) beats E / L(inputs without them)."""
-        p = self.estimates_of(tree)
-        expected = sum(reach(tree, p))
-        ends_at_root = max(0.0, 1.0 - sum(p[child] for child in tree.children[0]))
-        inputs = len(tree) + sum(tree.soft_counts) * tree.ensembles
-        if (expected + ends_at_root * soft.gain) / self.pass_cost(inputs) > expected / self.pass_cost(len(tree)):
-            return tree
-        return soft.without_soft_tokens(tree)
+    def cut(self, candidates: Tree) -> Tree:
+        """The part of the candidates that pays (best_subtree; best_chain_prefix for a sampled chain),
+        or all of them on a probe."""
+        self.passes += 1
+        tree = self.best_part(candidates)
+        if len(tree) > 1:
+            self.idle = 0
+        elif len(candidates) > 1:
+            self.idle += 1
+        if self.idle > self.probe_after:
+            tree, self.idle, self.probing = candidates, 0, True
+        return tree
 
-    def plan_draft(self, drafter: DraftModelDrafter) -> None:
-        """Set how many tokens the draft model drafts now, from the draft's acceptance rate so far
-        (all its guesses pooled; prior 1/2, worth PRIOR_WEIGHT guesses)."""
+    def learn(self, done: Pass) -> None:
+        """Each judged guess (its parent accepted) a success or a failure for its evidence keys."""
+        if self.probing:
+            self.probe_after = self.PROBE_EVERY if done.guesses_kept else 2 * self.probe_after
+            self.probing = False
+        for node, outcome in enumerate(done.outcomes()):
+            if node and outcome != "unreached":
+                for key, _ in done.tree.evidence[node]:
+                    self.estimates.record(key, outcome == "accepted")
+
+    def draft_length(self, step_cost: float, most: int) -> int:
+        """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
+        (best_draft_length), from its acceptance rate so far (all its guesses pooled; prior 1/2,
+        worth PRIOR_WEIGHT guesses); one on a probe."""
         accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
         alpha = (accepted + AcceptanceEstimates.PRIOR_WEIGHT / 2) / (judged + AcceptanceEstimates.PRIOR_WEIGHT)
-        gamma = best_draft_length(alpha, drafter.step_cost, self.latency, drafter.gamma)
+        gamma = best_draft_length(alpha, step_cost, self.latency, most)
         self.idle = self.idle + 1 if gamma == 0 else 0
-        if self.idle > self.probe_after:
-            gamma = 1  # (propose resets the count when the guess is sent)
-        drafter.gamma_now = gamma
+        return 1 if self.idle > self.probe_after else gamma  # (cut() resets the count when the guess is sent)
 
-    def verified(self, tree, verdict):
-        if self.probing:
-            self.probe_after = self.PROBE_EVERY if verdict.accepted_guesses else 2 * self.probe_after
-            self.probing = False
-        for node, outcome in enumerate(verdict.outcomes(tree)):
-            if node and outcome != "unreached":
-                for key, _ in tree.evidence[node]:
-                    self.estimates.record(key, outcome == "accepted")
-        self.drafter.verified(tree, verdict)
-
-    def extend(self, tokens):
-        self.timed(lambda: self.drafter.extend(tokens))
-
-    def observe(self, hidden, soft_logits):
-        if isinstance(self.drafter, MedusaDrafter) and not self.heads_pay():
-            self.drafter.candidates = []  # their guesses would all be cut: the next pass is the root alone
-            self.idle += 1
-            return
-        started = time.perf_counter()
-        self.timed(lambda: self.drafter.observe(hidden, soft_logits))
-        self.observe_seconds.append(time.perf_counter() - started)
-
-    def heads_pay(self) -> bool:
-        """Whether Medusa's heads are worth running after this pass: they cost their time whatever is sent
-        (an LM-head product), so they run only when the best part of their tree, as the estimates
-        stand (they depend on distance and rank, not on the tokens), would beat sending nothing, that
-        cost included; and on a probe."""
-        if not self.observe_seconds or self.idle >= self.probe_after:
+    def worth_running(self, shape: Tree, seconds: Sequence[float]) -> bool:
+        """Whether a guesser that costs its time whatever is sent (`seconds`: its runs so far) should
+        run for a tree of `shape` (its evidence depends on distance and rank, not on the tokens): when
+        the best part of it, as the estimates stand, beats sending nothing, that time included; always
+        before it ever ran and on a probe. A pass it skips counts as one whose guesses were cut."""
+        if not seconds or self.idle >= self.probe_after:
             return True
-        heads = sum(self.observe_seconds[-8:]) / len(self.observe_seconds[-8:])
-        chosen = best_subtree(self.heads_tree, self.estimates_of(self.heads_tree),
-                              lambda inputs: self.latency(inputs) + heads)
-        return len(chosen) > 1
+        own = sum(seconds[-8:]) / len(seconds[-8:])
+        if len(best_subtree(shape, self.estimates_of(shape), lambda inputs: self.latency(inputs) + own)) > 1:
+            return True
+        self.idle += 1
+        return False
 
-    def prompt_tree(self, prompt_ids):
-        return self.drafter.prompt_tree(prompt_ids)
+    def extra_inputs_pay(self, tree: Tree, carried: Tree, gain: float) -> bool:
+        """Whether `carried` (`tree` with extra inputs on its root whose guesses bring the next pass
+        `gain` accepted guesses when this one accepts none) beats `tree`: the next pass uses them
+        with probability P0 = 1 - the sum of p over the root's children (different tokens), so they
+        pay when (E + P0 gain) / L(their inputs too) > E / L(tree's inputs), judged on the part of
+        `tree` that pays."""
+        best = self.best_part(tree)
+        p = self.estimates_of(best)
+        expected = sum(reach(best, p))
+        ends_at_root = max(0.0, 1.0 - sum(p[child] for child in best.children[0]))
+        extra = carried.input_count - len(tree)
+        return ((expected + ends_at_root * gain) / self.pass_cost(best.input_count + extra)
+                > expected / self.pass_cost(best.input_count))
 
-    def end(self):
-        self.drafter.end()
+    def best_part(self, tree: Tree) -> Tree:
+        """The part of `tree` that pays, as the estimates stand."""
+        chop = best_subtree if tree.draft_probs is None else best_chain_prefix
+        return chop(tree, self.estimates_of(tree), self.pass_cost)
+
+
+class CostAware(Drafter):
+    """Any drafter's trees, cut each pass to the part that pays on this machine (`Costs.cut`), with
+    the acceptance estimates learned from this generation's verdicts (`Costs.learn`)."""
+
+    predicted_tokens_per_pass = None  # the cut changes every pass
+
+    def __init__(self, drafter: Drafter, costs: Costs):
+        self.drafter, self.costs = drafter, costs
+        self.max_extra_inputs = drafter.max_extra_inputs
+
+    def begin(self, request):
+        self.costs.begin()
+        self.drafter.begin(request)
+
+    def prefill_tree(self, prompt_ids):
+        return self.drafter.prefill_tree(prompt_ids)
+
+    def propose(self):
+        candidates = self.costs.timed(self.drafter.propose)
+        tree = self.costs.cut(candidates)
+        self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.costs.estimates_of(tree))) - 1)
+        return tree
+
+    def after_pass(self, done):
+        self.costs.learn(done)
+        self.costs.timed(lambda: self.drafter.after_pass(done))

@@ -8,24 +8,25 @@ prompt yields the first new token, the *root*. Then, until an end-of-sequence to
 or the context limit:
 
     tree    = drafter.propose()                   # 1. propose: guessed continuations of the root (tree.py)
-    hidden  = model(tree.tokens,                  # 2. score: ONE forward pass over every guess, each
+    hidden  = model(tree's inputs,                # 2. score: ONE forward pass over every guess, each
                     positions = cache length + depth,  #  seeing the cache and its own ancestors
                     mask = cache + ancestors)
     verdict = verify(tree, logits)                # 3. verify: the accepted path + a bonus token, greedy
                                                   #    or exact speculative sampling (verify.py)
     cache.keep(verdict.path)                      # 4. keep: K/V of the accepted nodes only, packed
-    new_tokens = emit(verdict)                    # 5. emit: append, stopping exactly where vanilla would
-    drafter.verified(tree, verdict)               # 6. learn: cost-aware drafting calibrates its estimates
-    drafter.observe(last accepted node's hidden state and soft tokens' logits)   #  observe: Medusa, PPD
-    drafter.extend(new_tokens)                    #    extend: n-gram tables and tries learn the tokens
+    emitted = answer.emit(verdict)                # 5. emit: append, stopping exactly where vanilla would
+    drafter.after_pass(done)                      # 6. learn: n-grams and tries take the new tokens,
+                                                  #    Medusa's heads read the last accepted node's hidden
+                                                  #    state, cost-aware drafting its estimates
 
-A watcher (`on_pass`: decode.py --show-tree, visualize.py) is shown every pass as it happened (`Pass`).
+`done` (a `Pass`, drafters.py) is also what a watcher is shown after every pass (`on_pass`:
+decode.py --show-tree, visualize.py).
 
 Vanilla decoding is the drafter that guesses nothing: each pass scores the root alone. Draft-model
 speculative decoding (Leviathan et al. 2023, Algorithm 1) is the drafter whose tree is a chain sampled
 from a small model. Medusa's heads read the final hidden state of the last accepted node (Cai et al.
-2024, section 2.1); PPD's soft tokens are extra inputs of the same pass, appended to the tree's nodes
-(and to the prompt's last token in the prefill), whose own outputs are the next guesses (Chen et al.
+2024, section 2.1); PPD's soft tokens are extra inputs of the same pass, hung on the tree's nodes
+(and on the prompt's last token in the prefill), whose own outputs are the next guesses (Chen et al.
 2024, Figure 2); their K/V are dropped with the rejected guesses'.
 
 APAR (Liu et al. 2024) is not a guesser: the fine-tuned model forks its own generation threads, so it
@@ -38,13 +39,13 @@ from dataclasses import dataclass, field
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 
-from drafters import Drafter, Request
+from drafters import Drafter, Pass, Request
 from kv_cache import KVCache
-from meter import Meter
+from meter import Counts, Meter
 from model import require_finite, room_for_new_tokens
 from sampling import Sampling, choose_token
 from tree import Tree
-from verify import TypicalAcceptance, Verdict, verify
+from verify import TypicalAcceptance, verify
 
 
 @dataclass
@@ -53,30 +54,12 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     from_draft: list[bool] = field(default_factory=list)  # per new token: an accepted guess?
     stop_reason: str = ""  # "eos", "max_new_tokens" or "context"
-    forward_passes: int = 0  # including the prefill pass, which yields the first token
-    draft_tokens_proposed: int = 0  # guessed tree nodes sent through the model
-    draft_tokens_accepted: int = 0  # of those, tokens that became output
-    draft_rejections: int = 0  # passes that ended at a rejected guess (the others ran out of guesses)
+    counts: Counts = field(default_factory=Counts)  # forward passes (the prefill's included) and guesses
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0  # proposing guesses and updating the drafter
     forward_seconds: float = 0.0  # forward passes after the prefill, logits included
     decode_seconds: float = 0.0  # the whole generation, prefill included
     kv_cache_bytes: int = 0  # memory preallocated for keys and values
-
-
-@dataclass
-class Pass:
-    """One forward pass of the loop after the prefill, as a watcher sees it."""
-    tree: Tree  # the candidate tree it scored
-    cache_length: int  # tokens cached before it: node i sat at position cache_length + depth(i)
-    choices: list[int]  # per node, the model's most likely next token there (its greedy choice)
-    verdict: Verdict  # what the verifier accepted, and the bonus token
-    emitted: list[int]  # the tokens the pass added to the answer: the verdict's, cut by the stop rule
-
-    @property
-    def bonus_emitted(self) -> bool:
-        """Whether the bonus token reached the answer (the stop rule can end it among the guesses)."""
-        return len(self.emitted) > self.verdict.accepted_guesses
 
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
@@ -88,81 +71,67 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     every pass but the prefill."""
     drafter = drafter or Drafter()
     room = room_for_new_tokens(model, prompt_ids, max_new_tokens)
-    cache = KVCache.for_model(model, capacity=len(prompt_ids) + room + drafter.max_draft_tokens)
-    meter = Meter(model.device)
-    answer = Answer(max_new_tokens, room, eos_ids, meter, on_tokens)
+    cache = KVCache.for_model(model, capacity=len(prompt_ids) + room + drafter.max_extra_inputs)
+    meter, counts = Meter(model.device), Counts()
+    answer = Answer(max_new_tokens, room, eos_ids, on_tokens)
     drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + room))
-    try:
-        with meter.time("prefill"):
-            hidden, logits = prefill(model, cache, prompt_ids, drafter)  # [1 + S, D], [1 + S, V]
-        new_tokens = answer.emit(Verdict([0], [choose_token(logits[0], sampling, generator)]))
+    with meter.time("prefill"):
+        done = prefill(model, cache, drafter.prefill_tree(prompt_ids), sampling, generator, answer)
+    counts.add_pass()
+    with meter.time("draft"):
+        drafter.after_pass(done)
+    while not answer.stop_reason:
+        with meter.time("draft"):  # 1. propose (no deeper than the tokens still wanted)
+            tree = drafter.propose().truncated(answer.tokens_left - 1)
+        with meter.time("forward"):
+            start = cache.length
+            hidden = score_tree(model, cache, tree)  # 2. score: [N + S, D]
+            logits = model.logits(hidden)  # [N + S, V]: ONE LM-head product for guesses and extra inputs
+            verdict = verify(tree, logits, sampling, generator, typical)  # 3. verify
+            cache.keep(start, verdict.path)  # 4. keep: rejected guesses' and extra inputs' K/V go
+        done = Pass(tree, start, verdict.path, answer.emit(verdict.tokens, verdict.accepted_guesses),  # 5. emit
+                    hidden, logits, verdict)
+        counts.add_pass(done.guesses_proposed, done.guesses_kept, done.rejected)
         with meter.time("draft"):
-            drafter.observe(hidden[0], logits[1:])  # the last prompt token and its soft tokens
-            drafter.extend(new_tokens)
-        while not answer.stop_reason:
-            with meter.time("draft"):  # 1. propose (no deeper than the tokens still wanted)
-                tree = drafter.propose().truncated(answer.tokens_left - 1)
-            with meter.time("forward"):
-                tree_start = cache.length
-                hidden = score_tree(model, cache, tree)  # 2. score: [N + S, D]
-                logits = model.logits(hidden)  # [N + S, V]: ONE LM-head product for guesses and soft tokens
-                verdict = verify(tree, logits[:len(tree)], sampling, generator, typical)  # 3. verify
-                cache.keep(tree_start, verdict.path)  # 4. keep: rejected guesses' and soft tokens' K/V go
-            new_tokens = answer.emit(verdict)  # 5. emit
-            if on_pass:  # someone watches the loop
-                on_pass(Pass(tree, tree_start, logits[:len(tree)].argmax(-1).tolist(), verdict, new_tokens))
-            with meter.time("draft"):  # 6. learn / observe / extend
-                drafter.verified(tree, verdict)
-                last = verdict.path[-1]
-                drafter.observe(hidden[last], logits[tree.soft_rows(last)])
-                drafter.extend(new_tokens)
-    finally:
-        drafter.end()
-    return Generation(answer.token_ids, answer.from_draft, answer.stop_reason,
-                      forward_passes=meter.counts["forward_passes"],
-                      draft_tokens_proposed=meter.counts["draft_tokens_proposed"],
-                      draft_tokens_accepted=meter.counts["draft_tokens_accepted"],
-                      draft_rejections=meter.counts["draft_rejections"],
+            drafter.after_pass(done)  # 6. learn
+        if on_pass:  # someone watches the loop
+            on_pass(done)
+    return Generation(answer.token_ids, answer.from_draft, answer.stop_reason, counts,
                       prefill_seconds=meter.seconds["prefill"], draft_seconds=meter.seconds["draft"],
                       forward_seconds=meter.seconds["forward"], decode_seconds=meter.elapsed(),
                       kv_cache_bytes=cache.memory_bytes())
 
 
-def prefill(model, cache: KVCache, prompt_ids: list[int], drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt's pass: its K/V into the cache. Returns the final hidden states [1 + S, D] and logits
-    [1 + S, V] of its last token (the first new token is chosen from them) and of the S soft tokens
-    the drafter hangs on it (PPD: so that the first proposal already has guesses)."""
-    tree = drafter.prompt_tree(prompt_ids)
-    if tree is None:  # the plain causal pass
-        positions = torch.arange(len(prompt_ids), device=model.device)
-        hidden = model.hidden_states(torch.tensor([prompt_ids], device=model.device), positions=positions,
-                                     cache=cache)[0]
-    else:
-        hidden = score_tree(model, cache, tree)
-        cache.truncate(len(prompt_ids))  # soft tokens' K/V are never kept
-    last = hidden[len(prompt_ids) - 1:]  # the last prompt token's, then its soft tokens'
-    return last, require_finite(model.logits(last), model)
+def prefill(model, cache: KVCache, prompt: Tree, sampling: Sampling, generator, answer: "Answer") -> Pass:
+    """The prompt's pass (`prompt`: the prompt as a chain, perhaps with extra inputs on its last token):
+    its K/V into the cache, the extra inputs' dropped, and the first new token chosen from the last
+    prompt token's logits and emitted."""
+    hidden = score_tree(model, cache, prompt)  # [P + S, D]
+    last = len(prompt) - 1
+    logits = require_finite(model.logits(hidden[last:]), model)  # [1 + S, V]: the last prompt token's, then
+    cache.truncate(len(prompt))  # the extra inputs'
+    emitted = answer.emit([choose_token(logits[0], sampling, generator)], guesses=0)
+    return Pass(prompt, 0, list(range(len(prompt))), emitted, hidden, logits, logits_start=last)
 
 
 def score_tree(model, cache: KVCache, tree: Tree) -> torch.Tensor:
-    """One forward pass over every node of the tree, then its soft tokens (inputs `tree.soft_inputs`
-    [S, D]), appended to the cache: the final hidden states [N + S, D]."""
-    tokens = torch.tensor([tree.tokens], device=model.device)  # [1, N]
-    inputs = {"tokens": tokens}
-    if tree.soft_inputs is not None:
-        inputs = {"embeds": torch.cat([model.embed(tokens), tree.soft_inputs[None].to(model.dtype)], dim=1)}
-    hidden = model.hidden_states(**inputs, positions=tree.positions(cache.length, model.device),
-                                 cache=cache, mask=tree.attention_mask(cache.length, model.device))
+    """ONE forward pass over the tree's inputs (its nodes, then any extra inputs), their K/V written
+    to the next slots of the cache: the final hidden states [N + S, D]."""
+    start = cache.length
+    slots = cache.claim(tree.input_count)
+    hidden = model.hidden_states(embeds=tree.input_embeddings(model.embed),
+                                 positions=tree.input_positions(start, model.device), cache=cache, slots=slots,
+                                 mask=tree.input_mask(start, model.device))
     return hidden[0]
 
 
 class Answer:
     """The new tokens, as the forward passes emit them: appended one by one, stopping exactly where
-    vanilla decoding would, streamed to `on_tokens(ids, guessed)`, and each pass counted on the meter."""
+    vanilla decoding would, and streamed to `on_tokens(ids, guessed)`."""
 
-    def __init__(self, max_new_tokens: int, room: int, eos_ids: set[int], meter: Meter, on_tokens=None):
+    def __init__(self, max_new_tokens: int, room: int, eos_ids: set[int], on_tokens=None):
         self.max_new_tokens, self.room, self.eos_ids = max_new_tokens, room, eos_ids
-        self.meter, self.on_tokens = meter, on_tokens
+        self.on_tokens = on_tokens
         self.token_ids: list[int] = []
         self.from_draft: list[bool] = []
         self.stop_reason = ""
@@ -171,21 +140,19 @@ class Answer:
     def tokens_left(self) -> int:
         return self.room - len(self.token_ids)
 
-    def emit(self, verdict: Verdict) -> list[int]:
-        """Append a pass's new tokens until the stop rule says stop; returns the tokens kept."""
+    def emit(self, tokens: list[int], guesses: int) -> list[int]:
+        """Append a pass's new tokens, of which the first `guesses` are accepted guesses, until the
+        stop rule says stop; returns the tokens kept."""
         kept = []
-        for token in verdict.tokens:
+        for token in tokens:
             self.token_ids.append(token)
-            self.from_draft.append(len(kept) < verdict.accepted_guesses)
+            self.from_draft.append(len(kept) < guesses)
             kept.append(token)
             self.stop_reason = stop_reason(self.token_ids, self.max_new_tokens, self.room, self.eos_ids)
             if self.stop_reason:
                 break
-        kept_guesses = min(verdict.accepted_guesses, len(kept))
-        self.meter.count(forward_passes=1, draft_tokens_proposed=verdict.proposed,
-                         draft_tokens_accepted=kept_guesses, draft_rejections=int(verdict.rejected))
         if self.on_tokens:
-            self.on_tokens(kept, kept_guesses)
+            self.on_tokens(kept, min(guesses, len(kept)))
         return kept
 
 

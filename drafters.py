@@ -2,15 +2,11 @@
 chosen token; decode.py scores it in one forward pass, verifies it and tells the drafter what came of it.
 
     drafter.begin(request)              # a new request: its prompt, sampling settings, random generator
+    drafter.prefill_tree(prompt_ids)    # what the prefill scores: the prompt as a chain (PPD hangs its
+                                        # soft tokens on the last prompt token)
     drafter.propose() -> Tree           # guesses after history[-1] (the root)
-    drafter.extend(new_tokens)          # the tokens the pass added to the output: n-grams and tries
-                                        # learn from them
-    drafter.observe(hidden, soft_logits)   # the last accepted node's final hidden state [D] and its
-                                        # soft tokens' logits [S', V]: Medusa heads and PPD guess from them
-    drafter.end()                       # the request is over
-
-and, for a drafter that hangs soft tokens on the prompt (PPD), `prompt_tree(prompt_ids)`: the tree
-the prefill scores, so that the first proposal already has guesses.
+    drafter.after_pass(done: Pass)      # what a pass made: its tree, verdict and new tokens, and the
+                                        # last accepted node's hidden state and extra inputs' logits
 
 - `Drafter` itself proposes nothing: that is vanilla decoding.
 - `NGramDrafter`: ANPD (Ou et al. 2024, "Lossless Acceleration of Large Language Model via Adaptive
@@ -37,7 +33,8 @@ import torch
 from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, choose_token_and_probs
-from tree import Tree
+from tree import Evidence, Tree
+from verify import Verdict
 
 
 @dataclass
@@ -49,35 +46,76 @@ class Request:
     max_length: int | None = None  # prompt + the most new tokens (None: the model's context)
 
 
+@dataclass
+class Pass:
+    """One forward pass of the decoding loop, as the drafter (and a watcher) is told of it."""
+    tree: Tree  # the tree it scored (the prefill's: the prompt as a chain)
+    cache_length: int  # tokens cached before it: node i sat at position cache_length + depth(i)
+    path: list[int]  # the nodes whose K/V stay: the accepted path (the prefill's: every prompt token)
+    emitted: list[int]  # the tokens it added to the answer (the stop rule can cut a verdict's)
+    hidden: torch.Tensor  # [N + S, D] final hidden states of its inputs (nodes, then extra inputs)
+    logits: torch.Tensor  # [R, V]: logits of its inputs from row `logits_start` on
+    verdict: Verdict | None = None  # what the verifier accepted; None for the prefill, which verifies nothing
+    logits_start: int = 0  # (the prefill projects only its last token and the extra inputs)
+
+    @property
+    def guesses_proposed(self) -> int:
+        return self.verdict.proposed if self.verdict else 0
+
+    @property
+    def guesses_kept(self) -> int:
+        """Accepted guesses that reached the answer."""
+        return min(self.verdict.accepted_guesses, len(self.emitted)) if self.verdict else 0
+
+    @property
+    def rejected(self) -> bool:
+        return bool(self.verdict and self.verdict.rejected)
+
+    @property
+    def bonus_emitted(self) -> bool:
+        """Whether the bonus token reached the answer (the stop rule can end it among the guesses)."""
+        return len(self.emitted) > self.guesses_kept
+
+    @property
+    def choices(self) -> list[int]:
+        """Per node, the model's most likely next token there (its greedy choice)."""
+        return self.logits[:len(self.tree) - self.logits_start].argmax(-1).tolist()
+
+    def last_hidden(self) -> torch.Tensor:
+        """[D]: the final hidden state of the last accepted node (Medusa's heads read it)."""
+        return self.hidden[self.path[-1]]
+
+    def last_extra_logits(self) -> torch.Tensor:
+        """[S', V]: the logits of the extra inputs hung on the last accepted node, in row order (PPD's
+        soft tokens guess from them)."""
+        return self.logits[[row - self.logits_start for row in self.tree.extra_rows(self.path[-1])]]
+
+    def outcomes(self) -> list[str]:
+        """Per node: "accepted" (on the path; the root always is), "rejected" (its parent is on the
+        path but the walk did not go on to it) or "unreached" (an ancestor was rejected)."""
+        on_path = set(self.path)
+        return ["accepted" if node in on_path else "rejected" if parent in on_path else "unreached"
+                for node, parent in enumerate(self.tree.parents)]
+
+
 class Drafter:
     """The empty drafter: the tree is the root alone, so every pass yields one token (vanilla)."""
 
-    max_draft_tokens = 0  # the most guessed nodes a proposal can hold (sizes the KV cache)
+    max_extra_inputs = 0  # the most inputs a pass holds besides the root: guesses and extra inputs (sizes the KV cache)
     predicted_tokens_per_pass = None  # tau, when the drafter can predict it (learned guessers)
 
     def begin(self, request: Request) -> None:
         self.history = list(request.prompt_ids)
 
+    def prefill_tree(self, prompt_ids: Sequence[int]) -> Tree:
+        """The prompt as a chain: each token sees the ones before it (the plain causal pass)."""
+        return Tree.chain(prompt_ids[0], prompt_ids[1:])
+
     def propose(self) -> Tree:
         return Tree.chain(self.history[-1], [])
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        self.history.extend(tokens)
-
-    def verified(self, tree: Tree, verdict) -> None:
-        """What the pass made of the proposal (cost-aware drafting learns from it)."""
-
-    def observe(self, hidden: torch.Tensor, soft_logits: torch.Tensor) -> None:
-        """After a pass, the final hidden state of the last accepted node [D] and the logits of the
-        soft tokens it carried [S', V] (see soft_rows in tree.py)."""
-
-    def prompt_tree(self, prompt_ids: Sequence[int]) -> Tree | None:
-        """The tree the prefill scores: None for the prompt as a plain causal sequence, or the prompt
-        as a chain whose last token carries soft tokens (PPD)."""
-        return None
-
-    def end(self) -> None:
-        pass
+    def after_pass(self, done: Pass) -> None:
+        self.history.extend(done.emitted)
 
 
 # ---- ANPD: multi-level n-grams -------------------------------------------------------------------
@@ -133,14 +171,17 @@ class NGramDrafter(Drafter):
         if not 1 <= k <= self.MAX_K:
             raise UserError(f"the draft length K must be in 1..{self.MAX_K}, got {k}")
         self.n, self.k = n, k
-        self.max_draft_tokens = k
+        self.max_extra_inputs = k
 
     def begin(self, request):
         self.ngrams = MultiLevelNGram(self.n)  # initialised from the prompt (section 3.1)
         self.history = []
-        self.extend(request.prompt_ids)
+        self.learn(request.prompt_ids)
 
-    def extend(self, tokens):
+    def after_pass(self, done):
+        self.learn(done.emitted)
+
+    def learn(self, tokens):
         for token in tokens:  # runtime update (A.8): every accepted token joins the statistics
             self.history.append(token)
             self.ngrams.add(self.history, len(self.history) - 1)
@@ -169,12 +210,12 @@ TRIE_PRIORS = {  # (share of the siblings' occurrences, in quarters; times seen,
     (2, 1): 0.18, (2, 2): 0.29, (2, 3): 0.30, (3, 1): 0.68, (3, 2): 0.72, (3, 3): 0.62}
 
 
-def ngram_evidence(level: int, seen: int) -> tuple:
-    """(key, prior) of an n-gram guess whose context of `level` tokens was followed by it `seen`
+def ngram_evidence(level: int, seen: int) -> Evidence:
+    """The evidence of an n-gram guess whose context of `level` tokens was followed by it `seen`
     times. The priors are the acceptance rates measured on bench.py's prompts (cost_aware.py says how);
     a generation's own outcomes soon outweigh them."""
     level, seen = min(level, 4), min(seen, 3)
-    return ("anpd", level, seen), NGRAM_PRIORS.get((level, seen), 0.3)
+    return Evidence(("anpd", level, seen), NGRAM_PRIORS.get((level, seen), 0.3))
 
 
 # ---- speculative decoding with a draft model --------------------------------------------------
@@ -187,18 +228,21 @@ class DraftModelDrafter(Drafter):
     The draft keeps its own KV cache. After verification it keeps the K/V of the longest prefix of
     its guesses that was accepted and reads the rest (the bonus token, or the last guess it never
     read) at the start of the next proposal: rollback is just moving the cache's length back.
+
+    With `costs` (cost-aware drafting, cost_aware.Costs) every guess costs a draft step before it can
+    be cut, so each proposal first asks how many guesses pay (Costs.draft_length).
     """
 
     DEFAULT_GAMMA = 4  # Chen et al. 2023 draft K = 4 tokens per step (Leviathan et al. try 3-10)
     MAX_GAMMA = 64
 
-    def __init__(self, model, gamma: int = DEFAULT_GAMMA, step_cost: float = 0.0):
+    def __init__(self, model, gamma: int = DEFAULT_GAMMA, step_cost: float = 0.0, costs=None):
         if not 1 <= gamma <= self.MAX_GAMMA:
             raise UserError(f"gamma (draft tokens per step) must be in 1..{self.MAX_GAMMA}, got {gamma}")
         self.model, self.gamma = model, gamma
         self.step_cost = step_cost  # a draft step's cost over a pass of the target over one token (c)
-        self.gamma_now = gamma  # tokens to draft at the next proposal (cost-aware drafting lowers it)
-        self.max_draft_tokens = gamma
+        self.costs = costs
+        self.max_extra_inputs = gamma
 
     def begin(self, request):
         super().begin(request)
@@ -207,23 +251,24 @@ class DraftModelDrafter(Drafter):
         self.cache = KVCache.for_model(self.model, capacity=length + self.gamma)
         self.read_guesses = []  # guesses the draft read while drafting: their K/V follow history
 
-    def extend(self, tokens):
+    def after_pass(self, done):
         # the cache holds history, then read_guesses; keep what the accepted tokens agree with, but
         # never the last token: the next proposal needs the logits after it, so it reads it again
-        agreed = 0
+        tokens, agreed = done.emitted, 0
         while agreed < min(len(tokens) - 1, len(self.read_guesses)) and tokens[agreed] == self.read_guesses[agreed]:
             agreed += 1
         # (before the first proposal the cache is still empty: min keeps it so)
         self.cache.truncate(min(self.cache.length, len(self.history) + agreed))
         self.read_guesses = []
-        super().extend(tokens)
+        super().after_pass(done)
 
     def propose(self):
-        if self.gamma_now == 0:
+        gamma = self.gamma if self.costs is None else self.costs.draft_length(self.step_cost, self.gamma)
+        if gamma == 0:
             return Tree.chain(self.history[-1], [])
         unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
         guesses, guess_probs, evidence = [], [], []
-        for _ in range(self.gamma_now):
+        for _ in range(gamma):
             logits = self.model.logits_after(unread, self.cache)
             token, q = choose_token_and_probs(logits, self.sampling, self.generator)  # q: None if greedy
             guesses.append(token)
@@ -252,7 +297,7 @@ class TopKDrafter(Drafter):
         self.candidates: list[list[int]] = []
 
     def keep_top(self, logits: torch.Tensor) -> None:
-        """logits [distances, V] -> the TOP_RANKS best tokens per distance."""
+        """logits [distances, V] -> the TOP_RANKS best tokens per distance (none for no rows)."""
         self.candidates = logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices.tolist()
 
 
@@ -316,7 +361,7 @@ class Trie:
         return child
 
     def eliminate_prompt(self) -> None:
-        """Forget the current prompt's occurrences (branch eliminating, at the end of a request)."""
+        """Forget the last prompt's occurrences (branch eliminating, once its request is over)."""
         for node in self.prompt_nodes:
             node.prompt_count = 0
             if node.output_count == 0:  # its whole subtree has no output occurrences either
@@ -368,22 +413,22 @@ class TrieDrafter(Drafter):
             raise UserError(f"the branch length must be in 1..{self.MAX_BRANCH_LENGTH} tokens, got {branch_length}")
         self.decoding_length, self.branch_length = decoding_length, branch_length
         self.hierarchical = hierarchical
-        self.max_draft_tokens = decoding_length
+        self.max_extra_inputs = decoding_length
         self.trie = Trie(depth=max(self.PREFIX_LENGTHS) + branch_length)
 
     def begin(self, request):
+        # the last request's prompt is forgotten (branch eliminating) and the trie kept to its
+        # capacity (node pruning) before this one's prompt is added
+        self.trie.eliminate_prompt()
+        self.trie.prune(self.CAPACITY_PER_DRAFT_TOKEN * self.decoding_length)
         super().begin(request)
         self.prompt_length = len(self.history)
         self.trie.add(self.history, 0, from_prompt=True)
 
-    def extend(self, tokens):
+    def after_pass(self, done):
         new_from = len(self.history)
-        self.history.extend(tokens)
+        super().after_pass(done)
         self.trie.add(self.history, new_from, first_start=self.prompt_length)
-
-    def end(self):
-        self.trie.eliminate_prompt()
-        self.trie.prune(self.CAPACITY_PER_DRAFT_TOKEN * self.decoding_length)
 
     def propose(self):
         branches = self.retrieve()
@@ -407,7 +452,7 @@ class TrieDrafter(Drafter):
                 break
         return branches
 
-    def branch_evidence(self, branch: Sequence[int]) -> list[tuple]:
+    def branch_evidence(self, branch: Sequence[int]) -> list[tuple[Evidence, ...]]:
         """Per token of a retrieved branch, its evidence (key, prior): after the longest context the
         branch continues in the trie, each token's share of its siblings' occurrences (in quarters)
         and its own occurrences (1, 2, 3 or more)."""
@@ -460,14 +505,14 @@ class TrieDrafter(Drafter):
         return branches
 
 
-def trie_evidence(share: float, seen: int) -> tuple:
-    """(key, prior) of a trie guess that took `share` of its siblings' occurrences and occurred
+def trie_evidence(share: float, seen: int) -> Evidence:
+    """The evidence of a trie guess that took `share` of its siblings' occurrences and occurred
     `seen` times (priors measured as ngram_evidence's)."""
     quarter, seen = min(int(share * 4), 3), min(seen, 3)
-    return ("lookahead", quarter, seen), TRIE_PRIORS.get((quarter, seen), 0.3)
+    return Evidence(("lookahead", quarter, seen), TRIE_PRIORS.get((quarter, seen), 0.3))
 
 
-def draft_evidence(confidence: float) -> tuple:
-    """(key, prior) of a draft model's guess made where its most likely token had probability
+def draft_evidence(confidence: float) -> Evidence:
+    """The evidence of a draft model's guess made where its most likely token had probability
     `confidence` (in tenths): its own estimate, as cost-aware drafting's prior."""
-    return ("speculative", min(int(confidence * 10), 9)), confidence
+    return Evidence(("speculative", min(int(confidence * 10), 9)), confidence)

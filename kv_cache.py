@@ -1,12 +1,17 @@
 """A preallocated key/value cache written by slot, so rolling back is free and a tree can be pruned.
 
 Every layer's keys and values live in one tensor allocated once ([layers, B, K, capacity, E]), as in
-gpt-fast's static cache. A forward pass over T new tokens `reserve`s the next T slots and each layer
-`write`s its K/V there. After verifying a candidate tree the decoding loop either:
+gpt-fast's static cache. A forward pass is told where its T new tokens go: the caller claims their
+slots first (`claim(T)`: the next T, here), the model passes them down, and each layer `write`s its
+K/V there (gpt-fast's `KVCache.update(input_pos, k, v)`). After verifying a candidate tree the
+decoding loop either:
 - `truncate(n)`: forget everything after the first n slots (rejected chain drafts), or
 - `keep(start, offsets)`: of the slots from `start` on, keep only the accepted tree nodes, moved down
   to be contiguous. Keys are stored after RoPE, so moving a slot does not change what it encodes:
   the accepted path's positions were already cache_len + depth, exactly where they end up.
+
+APAR's cache (apar.py) hands out slots from a pool instead of claiming the next ones; `FrozenPrefix`
+stands in for a cache when training reads a fixed prefix's K/V.
 """
 
 import torch
@@ -19,8 +24,7 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
-        self.length = 0  # slots in use; new tokens go to [length, length + T)
-        self._write_start = 0
+        self.length = 0  # slots attention reads: [0, length)
 
     @classmethod
     def for_model(cls, model, capacity, batch=1):
@@ -28,20 +32,20 @@ class KVCache:
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch=batch,
                    dtype=model.dtype, device=model.device)
 
-    def reserve(self, count: int) -> None:
-        """Claim the next `count` slots for the tokens of the forward pass about to run."""
+    def claim(self, count: int) -> slice:
+        """The next `count` slots, for the tokens of the forward pass about to run."""
         if self.length + count > self.capacity:
             raise RuntimeError(f"KV cache full: {self.length} + {count} > capacity {self.capacity}")
-        self._write_start = self.length
         self.length += count
+        return slice(self.length - count, self.length)
 
-    def write(self, layer: int, k, v):
-        """Store one layer's K/V for the reserved slots ([B, K, T, E] each); return that layer's whole
-        history including them ([B, K, length, E] views, no copy)."""
-        start, end = self._write_start, self._write_start + k.shape[2]
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+    def write(self, layer: int, slots, k, v):
+        """Store one layer's K/V ([B, K, T, E] each) in `slots` (a slice or T slot indices, claimed
+        before the pass); return that layer's whole history, them included ([B, K, length, E] views,
+        no copy)."""
+        self.keys[layer, :, :, slots] = k
+        self.values[layer, :, :, slots] = v
+        return self.keys[layer, :, :, :self.length], self.values[layer, :, :, :self.length]
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` slots."""
@@ -69,3 +73,20 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes allocated for keys and values (the whole capacity)."""
         return self.keys.nbytes + self.values.nbytes
+
+
+class FrozenPrefix:
+    """A stand-in for KVCache when training: the keys and values of a sequence's base pass, fixed
+    ([layers, 1, K, T, E]), each layer's new K/V concatenated after them (so autograd sees through);
+    nothing is stored."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+        self.length = keys.shape[3]
+
+    def claim(self, count: int) -> slice:
+        """The slots after the prefix (never kept)."""
+        return slice(self.length, self.length + count)
+
+    def write(self, layer, slots, k, v):
+        return torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)

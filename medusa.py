@@ -13,10 +13,13 @@ Read in this order:
    places ahead, L = sum_k lambda_k CE(p_t^(k), y_(t+k+1)), lambda_k = 0.8^k, on the model's own
    answers (self-distillation, section 2.3.2; self_distill.py). `medusa_accuracy` measures on held-out
    answers how often each head's rank-r guess is right: the table the sparse tree is built from.
-   `python train_prompt.py medusa` runs the training (train_prompt.py).
+   `python train_prompt.py medusa` runs the training (train_prompt.py: the data, the loop).
+
+With cost-aware drafting (cost_aware.py), the heads cost their time whatever is sent, so the drafter
+runs them only when the best part of their tree would pay for it (cost_aware.Costs.worth_running).
 """
 
-import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +28,6 @@ from torch import nn
 
 import artifacts
 from drafters import TOP_RANKS, TopKDrafter
-from self_distill import answer_positions, base_pass, sequence
 from tree import Tree, best_sparse_tree, expected_accepted
 
 LOSS_DECAY = 0.8  # lambda_k = 0.8^k (section 2.2.1)
@@ -69,16 +71,29 @@ class MedusaDrafter(TopKDrafter):
     """Medusa: the heads' top-k along a fixed sparse tree `spec` (tree.best_sparse_tree of the heads'
     measured accuracies, `accuracy[d][r]`: how often head d+1's rank-r guess was right)."""
 
-    def __init__(self, model, heads: MedusaHeads, accuracy: list[list[float]], rows: int):
+    def __init__(self, model, heads: MedusaHeads, accuracy: list[list[float]], inputs: int, costs=None):
         self.model, self.heads = model, heads.requires_grad_(False)
         self.accuracy = accuracy
-        self.spec = best_sparse_tree(accuracy, rows - 1)  # the root and rows - 1 guesses per pass
-        self.max_draft_tokens = len(self.spec)
+        self.spec = best_sparse_tree(accuracy, inputs - 1)  # the root and inputs - 1 guesses per pass
+        self.max_extra_inputs = len(self.spec)
         # 1 + the expected number of accepted guesses, taking the heads' hits as independent
         self.predicted_tokens_per_pass = 1 + expected_accepted(accuracy, self.spec)
+        self.costs = costs  # cost-aware drafting (cost_aware.Costs), or None: the heads always run
+        placeholder = [[0] * len(ranks) for ranks in accuracy]  # the tree's shape and evidence, whatever the heads guess
+        self.shape = Tree.from_topk(0, placeholder, self.spec, accuracy=accuracy, source="medusa")
 
-    def observe(self, hidden, soft_logits):
-        self.keep_top(self.heads(hidden, self.model.lm_head))  # [K, V] -> top-k per head
+    def begin(self, request):
+        super().begin(request)
+        self.heads_seconds: list[float] = []  # each time the heads ran
+
+    def after_pass(self, done):
+        super().after_pass(done)
+        if self.costs is not None and not self.costs.worth_running(self.shape, self.heads_seconds):
+            self.candidates = []  # their guesses would all be cut: the next pass is the root alone
+            return
+        started = time.perf_counter()
+        self.keep_top(self.heads(done.last_hidden(), self.model.lm_head))  # [K, V] -> top-k per head
+        self.heads_seconds.append(time.perf_counter() - started)
 
     def propose(self):
         if not self.candidates:
@@ -86,35 +101,17 @@ class MedusaDrafter(TopKDrafter):
         return Tree.from_topk(self.history[-1], self.candidates, self.spec, accuracy=self.accuracy, source="medusa")
 
 
-def load_drafter(model, path: Path, rows: int) -> MedusaDrafter:
+def load_drafter(model, path: Path, inputs: int, costs=None) -> MedusaDrafter:
     """The heads saved at `path` by train_prompt.py (checked to be made for `model`), with the sparse
-    tree of `rows` inputs per pass that their held-out accuracies make best."""
+    tree of `inputs` inputs per pass that their held-out accuracies make best."""
     tensors, meta = artifacts.load(path, "medusa", model)
     with artifacts.unpacking(path, "medusa"):
         heads = MedusaHeads(model.config.hidden_size, meta["heads"]).to(model.device, model.dtype)
         heads.load_state_dict(tensors)
-        return MedusaDrafter(model, heads.eval(), meta["accuracy"], rows)
+        return MedusaDrafter(model, heads.eval(), meta["accuracy"], inputs, costs)
 
 
 # ---- training (Medusa-1: the base model frozen) ---------------------------------------------------
-
-@torch.no_grad()
-def answer_features(model, records) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen model's final hidden states at every answer position [M, D], and the sequence's
-    tokens after each position [M, 8] (-1 past the end): head k's target is column k. Progress on
-    stderr."""
-    hidden, targets = [], []
-    for i, record in enumerate(records):
-        tokens = sequence(record)
-        states, _ = base_pass(model, tokens)
-        positions = answer_positions(record)
-        hidden.append(states[positions.start:positions.stop])
-        padded = torch.tensor(tokens + [-1] * 8)
-        targets.append(torch.stack([padded[t + 1:t + 9] for t in positions]))
-        print(f"\rbase model's hidden states: {i + 1}/{len(records)} answers", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return torch.cat(hidden), torch.cat(targets)
-
 
 def medusa_loss(model, heads: MedusaHeads, hidden, targets) -> torch.Tensor:
     """Medusa-1's loss on a batch of hidden states [B, D] and their targets [B, 8]."""

@@ -1,13 +1,14 @@
-"""Keeping score of a generation: seconds per phase and counts of events.
+"""Keeping score of a generation: seconds per phase, and what its forward passes did.
 
-The decoding loops (decode.py, apar.py) say what happens; the meter keeps the score, so clocks and
-counters do not clutter them:
+The decoding loops (decode.py, apar.py) say what happens; the meter keeps the clocks, so they do not
+clutter them, and `Counts` is the record of passes and guesses both loops fill in, one visible line
+per pass:
 
     meter = Meter(device)
     with meter.time("forward"):      # adds the block's wall-clock seconds to seconds["forward"]
         ...
-    meter.count(forward_passes=1)    # adds to counts["forward_passes"]
     meter.elapsed()                  # seconds since the meter was made
+    counts.add_pass(proposed=7, accepted=3, rejected=True)
 
 On a GPU the clock first waits for the queued work, so the seconds are the work's, not its launch's.
 """
@@ -15,6 +16,7 @@ On a GPU the clock first waits for the queued work, so the seconds are the work'
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +25,6 @@ class Meter:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.seconds: Counter[str] = Counter()  # phase -> seconds spent in it
-        self.counts: Counter[str] = Counter()  # event -> how many
         self.started = self.now()
 
     def now(self) -> float:
@@ -39,8 +40,20 @@ class Meter:
         finally:
             self.seconds[phase] += self.now() - started
 
-    def count(self, **events: int) -> None:
-        self.counts.update(events)
-
     def elapsed(self) -> float:
         return self.now() - self.started
+
+
+@dataclass
+class Counts:
+    """What a generation's forward passes did."""
+    forward_passes: int = 0  # the prefill's included
+    guesses_proposed: int = 0  # guessed tokens sent through the model
+    guesses_accepted: int = 0  # of those, tokens that became output
+    rejections: int = 0  # passes that ended at a rejected guess (the others ran out of guesses)
+
+    def add_pass(self, proposed: int = 0, accepted: int = 0, rejected: bool = False) -> None:
+        self.forward_passes += 1
+        self.guesses_proposed += proposed
+        self.guesses_accepted += accepted
+        self.rejections += int(rejected)

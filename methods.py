@@ -15,15 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import medusa
 import ppd
-from apar import MAX_GUESSES_PER_PASS
-from apar_finetune import load_apar_model
+from apar import MAX_GUESSES_PER_PASS, load_apar_model
 from artifacts import shipped_artifact
 from calibrate import calibrated_rows, machine_latency
 from combined import combined_drafter
 from convert import default_model_dir
-from cost_aware import CostAware, Latency
+from cost_aware import CostAware, Costs, Latency
 from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer
@@ -56,8 +57,19 @@ class Method:
     size: Size | None = None
     trained: bool = False  # its trained parts are an artifact: trained/<name>-<model folder>
     guesses: bool = True  # its passes verify guesses (so --acceptance means something)
-    drafter: Callable | None = None  # (options, model, tokenizer, rows, latency: () -> L(n)) -> Drafter
+    drafter: Callable[["Build"], Drafter] | None = None  # its drafter, for the guess-and-verify loop
     engine: Callable | None = None  # (options, model, tokenizer) -> an engine with .generate (apar.py)
+
+
+@dataclass
+class Build:
+    """What a method's drafter is built from."""
+    options: argparse.Namespace  # the command line's (or default_options')
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    inputs: int | None  # inputs per forward pass (its size option, calibrated or given), if it has a size
+    costs: Costs | None  # cost-aware drafting, or None (--fixed-size, or a method that guesses nothing)
+    latency: Callable[[], Latency]  # this machine's L(n), measured only when asked for
 
 
 # ---- how each method is built ---------------------------------------------------------------------
@@ -85,27 +97,50 @@ def load_draft(options, model, tokenizer):
     return draft
 
 
-def draft_model_drafter(options, model, tokenizer) -> DraftModelDrafter:
+def vanilla_drafter(build: Build) -> Drafter:
+    return Drafter()
+
+
+def anpd_drafter(build: Build) -> NGramDrafter:
+    return NGramDrafter(n=build.options.ngram_n, k=build.inputs - 1)
+
+
+def lookahead_drafter(build: Build) -> TrieDrafter:
+    return TrieDrafter(build.inputs - 1, build.options.branch_length,
+                       hierarchical=build.options.lookahead_mode == "hierarchical")
+
+
+def draft_model_drafter(build: Build) -> DraftModelDrafter:
     """--method speculative's drafter; a draft step's cost over the model's is estimated by the
     multiply-adds per token of their layers and LM heads (embedding lookups are free)."""
-    draft = load_draft(options, model, tokenizer)
+    draft = load_draft(build.options, build.model, build.tokenizer)
 
     def multiply_adds(m):
         return sum(p.numel() for p in m.layers.parameters()) + m.lm_head.weight.numel()
-    return DraftModelDrafter(draft, options.gamma, step_cost=multiply_adds(draft) / multiply_adds(model))
+    return DraftModelDrafter(draft, build.options.gamma, step_cost=multiply_adds(draft) / multiply_adds(build.model),
+                             costs=build.costs)
 
 
-def auto_drafter(options, model, tokenizer, latency: Latency):
+def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
+    return medusa.load_drafter(build.model, trained_path("medusa", build.options), build.inputs, build.costs)
+
+
+def ppd_drafter(build: Build) -> ppd.PPDDrafter:
+    return ppd.load_drafter(build.model, trained_path("ppd", build.options), build.inputs, build.options.static_tree)
+
+
+def auto_drafter(build: Build):
     """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, PPD's soft
     tokens (combined.py)."""
+    options = build.options
     ppd_path = trained_path("ppd", options)
     soft = None
     if options.trained is not None or ppd_path.with_suffix(".safetensors").is_file():
-        soft = ppd.load_drafter(model, ppd_path, DEFAULT_TREE_ROWS)
+        soft = ppd.load_drafter(build.model, ppd_path, DEFAULT_TREE_ROWS)
     return combined_drafter(NGramDrafter(n=options.ngram_n, k=options.ngram_k or NGramDrafter.DEFAULT_K),
                             TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
                                         options.branch_length),
-                            soft, latency)
+                            soft, build.latency(), build.costs)
 
 
 # --apar-guesses: each thread's own drafter, and the options that size it
@@ -132,30 +167,23 @@ def apar_engine(options, model, tokenizer):
 
 METHODS = {m.name: m for m in [
     Method("vanilla", "plain autoregressive decoding, one forward pass per token", "", guesses=False,
-           drafter=lambda options, model, tokenizer, rows, latency: Drafter()),
+           drafter=vanilla_drafter),
     Method("anpd", "adaptive n-gram parallel decoding: a chain of guesses from n-grams of the text so far",
            "Ou et al. 2024", ("ngram_n", "ngram_k", "fixed_size"), Size("ngram_k", NGramDrafter.DEFAULT_K, 1),
-           drafter=lambda options, model, tokenizer, rows, latency: NGramDrafter(n=options.ngram_n, k=rows - 1)),
+           drafter=anpd_drafter),
     Method("lookahead", "trie-based retrieval of several guessed branches from prompts and earlier output "
            "(Zhao et al.'s Lookahead, not Fu et al.'s Jacobi 'lookahead decoding')",
            "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode", "fixed_size"),
-           Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1),
-           drafter=lambda options, model, tokenizer, rows, latency: TrieDrafter(
-               rows - 1, options.branch_length, hierarchical=options.lookahead_mode == "hierarchical")),
+           Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1), drafter=lookahead_drafter),
     Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
            "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
-           ("draft_model", "draft_layers", "gamma", "fixed_size"),
-           drafter=lambda options, model, tokenizer, rows, latency: draft_model_drafter(options, model, tokenizer)),
+           ("draft_model", "draft_layers", "gamma", "fixed_size"), drafter=draft_model_drafter),
     Method("medusa", "trained Medusa heads guess the next tokens from the model's last hidden state; their "
            "top-k form a sparse tree", "Cai et al. 2024", ("trained", "tree_rows", "fixed_size"),
-           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
-           drafter=lambda options, model, tokenizer, rows, latency: medusa.load_drafter(
-               model, trained_path("medusa", options), rows)),
+           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=medusa_drafter),
     Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
            "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree", "fixed_size"),
-           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True,
-           drafter=lambda options, model, tokenizer, rows, latency: ppd.load_drafter(
-               model, trained_path("ppd", options), rows, options.static_tree)),
+           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=ppd_drafter),
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
@@ -164,8 +192,7 @@ METHODS = {m.name: m for m in [
     Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
            "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
            "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
-           ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"),
-           drafter=lambda options, model, tokenizer, rows, latency: auto_drafter(options, model, tokenizer, latency())),
+           ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"), drafter=auto_drafter),
 ]}
 
 
@@ -256,15 +283,16 @@ def inputs_per_pass(method: Method, options, model) -> int | None:
     return calibrated_rows(model, calibration_name(method, options), size.default + size.root)
 
 
-def build_drafter(method: Method, options, model, tokenizer, rows: int | None = None,
+def build_drafter(method: Method, options, model, tokenizer, inputs: int | None = None,
                   latency: Latency | None = None) -> Drafter:
-    """The method's drafter, with at most `rows` inputs per forward pass (default: inputs_per_pass),
+    """The method's drafter, with at most `inputs` inputs per forward pass (default: inputs_per_pass),
     cost-aware unless --fixed-size (L(n): `latency`, default this machine's, calibrate.machine_latency)."""
     if method.drafter is None:
         raise ValueError(f"{method.name} is an engine, not a drafter")
+
     def this_machines():  # measured only when needed (once per machine: calibrate.machine_latency)
         return latency or machine_latency(model)
-    drafter = method.drafter(options, model, tokenizer, rows or inputs_per_pass(method, options, model), this_machines)
-    if not method.guesses or options.fixed_size:
-        return drafter
-    return CostAware(drafter, this_machines())
+    costs = None if not method.guesses or options.fixed_size else Costs(this_machines())
+    drafter = method.drafter(Build(options, model, tokenizer, inputs or inputs_per_pass(method, options, model),
+                                   costs, this_machines))
+    return drafter if costs is None else CostAware(drafter, costs)

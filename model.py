@@ -215,7 +215,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(config.hidden_size, qkv_rows, bias=False)
         self.wo = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer, cache, mask):
+    def forward(self, x, cos, sin, layer, cache, slots, mask):
         B, T, _ = x.shape  # x: [B, T, D]
         H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * E, K * E, K * E], dim=-1)  # [B, T, H*E], [B, T, K*E], [B, T, K*E]
@@ -223,7 +223,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(B, T, K, E).transpose(1, 2), cos, sin)  # [B, K, T, E]
         v = v.view(B, T, K, E).transpose(1, 2)  # [B, K, T, E]
         if cache is not None:
-            k, v = cache.write(layer, k, v)  # [B, K, S, E]: everything cached plus these T tokens
+            k, v = cache.write(layer, slots, k, v)  # [B, K, S, E]: everything cached plus these T tokens
         out = grouped_attention(q, k, v, mask)  # [B, H, T, E]
         return self.wo(out.transpose(1, 2).reshape(B, T, H * E))  # [B, T, D]
 
@@ -270,8 +270,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer, cache, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, layer, cache, mask)
+    def forward(self, x, cos, sin, layer, cache, slots, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, layer, cache, slots, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -297,23 +297,24 @@ class Llama(nn.Module):
     def device(self):
         return self.embed.weight.device
 
-    def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, mask=None):
+    def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
         """Run the transformer over T new inputs; returns the final (normed) hidden states [B, T, D].
 
         tokens: [B, T] ids, or embeds: [B, T, D]; positions: [B, T] (or [T]) RoPE positions;
-        cache: a KVCache whose next T slots receive these tokens' K/V (None: no history);
-        mask: [T, S] or [B, T, S] booleans over [cached + new] (None: causal over the new tokens).
+        cache: a KVCache (None: no history), and slots: where in it these T inputs' K/V go (claimed
+        by the caller: `cache.claim(T)`, or APAR's pool); attention reads the cache's `length` slots;
+        mask: [T, S] or [B, T, S] booleans over the S attended slots (None: every cached slot before
+        `slots`, then causal over the new inputs).
         """
         x = self.embed(tokens) if embeds is None else embeds.to(self.dtype)
         T = x.shape[1]
-        cached = 0 if cache is None else cache.length
-        if cache is not None:
-            cache.reserve(T)
+        if cache is not None and slots is None:
+            raise ValueError("a pass that writes the cache needs the slots it writes (cache.claim(T))")
         if mask is None:
-            mask = causal_mask(cached, T, x.device)
+            mask = causal_mask(0 if cache is None else slots.start, T, x.device)
         cos, sin = rotary_cos_sin(self.inv_freq, positions.view(-1, T), x.dtype)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, index, cache, mask)
+            x = layer(x, cos, sin, index, cache, slots, mask)
         return self.norm(x)
 
     def first_layers(self, count: int) -> "Llama":
@@ -335,18 +336,20 @@ class Llama(nn.Module):
         """Feed `tokens`, which follow what `cache` holds (positions cache.length onwards, causal
         attention), into the cache; return the logits [V] after the last of them. A prompt's prefill
         on an empty cache, or a draft model's step."""
-        positions = torch.arange(cache.length, cache.length + len(tokens), device=self.device)
+        slots = cache.claim(len(tokens))
+        positions = torch.arange(slots.start, slots.stop, device=self.device)
         hidden = self.hidden_states(torch.tensor([tokens], device=self.device), positions=positions,
-                                    cache=cache)
+                                    cache=cache, slots=slots)
         return self.logits(hidden[0, -1])
 
     def logits(self, hidden):
         """[B, T, D] -> [B, T, V]. Kept separate so callers project only the positions they need."""
         return self.lm_head(hidden)
 
-    def forward(self, tokens=None, *, embeds=None, positions, cache=None, mask=None):
+    def forward(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
         """(logits [B, T, V], hidden states [B, T, D]) for every new input."""
-        hidden = self.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, mask=mask)
+        hidden = self.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, slots=slots,
+                                    mask=mask)
         return self.logits(hidden), hidden
 
 

@@ -6,24 +6,26 @@ tokens**, so that "prompt tokens" always means the prompt's own tokens. Read in 
 
 1. `SoftTokens` (sections 3.1-3.2): m trained embeddings (distances 1..m), each in n ensemble copies
    (EPTs) whose logits are averaged. They are the method's only new parameters (a few thousand).
-2. `PPDDrafter` (section 3, Figure 2): the soft tokens are appended to the tree's nodes in the same
-   forward pass that verifies them (tree.py lays out their rows, positions and the ensemble mask,
-   appendix B.5.1); the soft tokens of the last accepted node guess the next tree's candidates. The
-   prompt's last token carries all m in the prefill, so the first tree already has guesses.
+2. `PPDDrafter` (section 3, Figure 2): the soft tokens are the tree's extra inputs, fed after its
+   nodes in the same forward pass that verifies them (`soft_layout`: which node carries which, their
+   positions and the ensemble mask, appendix B.5.1; tree.ExtraInputs); the soft tokens of the last
+   accepted node guess the next tree's candidates. The prompt's last token carries all m in the
+   prefill, so the first tree already has guesses.
 3. The dynamic sparse tree (section 4, propositions 4.1-4.4): `dynamic_sparse_tree` builds, per state
    T_k (the last accepted node carried k soft tokens, so k distances are guessed), the best candidate
    tree and allots soft tokens to its nodes where they pay most (`allot_soft_tokens`); the states form
    a Markov chain whose stationary distribution gives the tokens per pass (`DynamicSparseTree`).
    `best_dynamic_sparse_tree` splits a budget of inputs per pass between candidates and soft tokens
    (section 4.2's c(n_c, n_p)); calibrate.py chooses that budget for this machine (hardware-aware).
-4. Training (section 3.3): `ppd_loss` inserts the soft tokens at random places of the model's own
-   answers (self_distill.py) and distils the model's distribution at each distance into them (eq. 1),
-   with the same mask decoding uses (`insertion_layout`); `ppd_accuracy` measures on held-out answers
-   how often the rank-r guess at distance d is right, the table the tree is built from.
-   `python train_prompt.py ppd` runs it (train_prompt.py).
+4. Training (section 3.3): `ppd_loss` takes soft tokens inserted after given points of an answer and
+   distils the model's distribution at each distance into them (eq. 1), with the same mask decoding
+   uses (`insertion_layout`); `guess_hits` counts how often the rank-r guess at distance d is right,
+   the table the tree is built from. `python train_prompt.py ppd` runs it (train_prompt.py: the
+   model's own answers, the random points, the loop).
 """
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +36,8 @@ from torch import nn
 import artifacts
 from drafters import TOP_RANKS, TopKDrafter
 from errors import TooFewRows
-from self_distill import FrozenPrefix, answer_positions, base_pass, sequence
-from tree import Tree, best_sparse_tree, expected_accepted, path_probability
+from kv_cache import FrozenPrefix
+from tree import ExtraInputs, Tree, best_sparse_tree, expected_accepted, path_probability
 
 LOSS_DECAY = 0.8  # alpha of equation 1 (the paper gives no value)
 
@@ -56,16 +58,30 @@ class SoftTokens(nn.Module):
     def ensembles(self) -> int:
         return self.embeddings.shape[1]
 
-    def for_slots(self, slots) -> torch.Tensor:
-        """[S, D] inputs for (node, distance, group) slots (Tree.soft_slots)."""
-        distance = torch.tensor([d - 1 for _, d, _ in slots], device=self.embeddings.device, dtype=torch.long)
-        group = torch.tensor([g for _, _, g in slots], device=self.embeddings.device, dtype=torch.long)
-        return self.embeddings[distance, group]
-
     def ensemble_average(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits of k soft tokens' copies [k * n, V] -> [k, V], averaged over each soft token's n
         EPTs (section 3.2; appendix B.6: averaging beats learned weights)."""
         return logits.view(-1, self.ensembles, logits.shape[-1]).mean(1)
+
+
+def soft_layout(counts: Sequence[int], ensembles: int, soft_tokens: SoftTokens | None = None) -> ExtraInputs:
+    """The extra inputs of a tree whose node i carries counts[i] soft tokens (distances 1..counts[i]),
+    each in `ensembles` copies: rows node by node, distance by distance, copy by copy. The soft token
+    at distance d sits d places after its node, where the token it guesses would be, and sees its
+    node, the node's ancestors and the same copy's soft tokens at smaller distances (appendix B.5.1,
+    the ensemble mask: the n-th EPT sees only the n-th EPTs before it). Their inputs are
+    `soft_tokens`' embeddings (None: the layout alone)."""
+    node, distance, follows, group = [], [], [], []
+    for carrier, count in enumerate(counts):
+        first = len(node)
+        for d in range(1, count + 1):
+            for g in range(ensembles):
+                node.append(carrier)
+                distance.append(d)
+                follows.append(-1 if d == 1 else first + (d - 2) * ensembles + g)
+                group.append(g)
+    embeddings = None if soft_tokens is None else soft_tokens.embeddings[[d - 1 for d in distance], group]
+    return ExtraInputs(tuple(node), tuple(distance), tuple(follows), embeddings)  # embeddings: [S, D]
 
 
 class PPDDrafter(TopKDrafter):
@@ -77,34 +93,34 @@ class PPDDrafter(TopKDrafter):
                  accuracy: list[list[float]]):
         self.model, self.soft_tokens, self.dynamic_tree = model, soft_tokens.requires_grad_(False), dynamic_tree
         self.accuracy = accuracy  # accuracy[d][r], held out: the prior of each guess's acceptance
-        prefill_rows = soft_tokens.count * soft_tokens.ensembles  # after the prompt, in the prefill
-        self.max_draft_tokens = max(prefill_rows, dynamic_tree.rows - 1)
+        prefill_inputs = soft_tokens.count * soft_tokens.ensembles  # after the prompt, in the prefill
+        self.max_extra_inputs = max(prefill_inputs, dynamic_tree.inputs - 1)
         self.predicted_tokens_per_pass = dynamic_tree.tokens_per_pass
 
-    def prompt_tree(self, prompt_ids):
-        last = len(prompt_ids) - 1
-        return self.with_soft_inputs(Tree(prompt_ids, list(range(-1, last)),
-                                          soft_counts=[0] * last + [self.soft_tokens.count],
-                                          ensembles=self.soft_tokens.ensembles))
+    def carrying(self, tree: Tree, counts: Sequence[int]) -> Tree:
+        """`tree` with counts[i] soft tokens (all their copies) on node i."""
+        return tree.with_extra(soft_layout(counts, self.soft_tokens.ensembles, self.soft_tokens))
 
-    def observe(self, hidden, soft_logits):
-        # every node, and the prompt's last token, carries at least one soft token: never empty
-        self.keep_top(self.soft_tokens.ensemble_average(soft_logits))
+    def prefill_tree(self, prompt_ids):
+        prompt = super().prefill_tree(prompt_ids)
+        return self.carrying(prompt, [0] * (len(prompt) - 1) + [self.soft_tokens.count])
+
+    def after_pass(self, done):
+        super().after_pass(done)
+        soft_logits = done.last_extra_logits()  # [k * n, V]: the last accepted node's k soft tokens, n copies each
+        self.candidates = []
+        if len(soft_logits):  # (every node carries some, except where another drafter built the tree)
+            self.keep_top(self.soft_tokens.ensemble_average(soft_logits))
 
     def propose(self):
         state = self.dynamic_tree.states[len(self.candidates)]
-        return self.with_soft_inputs(Tree.from_topk(self.history[-1], self.candidates, state.spec,
-                                                    state.soft_counts, self.soft_tokens.ensembles,
-                                                    self.accuracy, source="ppd"))
-
-    def with_soft_inputs(self, tree: Tree) -> Tree:
-        tree.soft_inputs = self.soft_tokens.for_slots(tree.soft_slots())  # [S, D]
-        return tree
+        tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
+        return self.carrying(tree, state.soft_counts)
 
 
-def load_drafter(model, path: Path, rows: int, static: bool = False) -> PPDDrafter:
+def load_drafter(model, path: Path, inputs: int, static: bool = False) -> PPDDrafter:
     """The soft tokens saved at `path` by train_prompt.py (checked to be made for `model`), with the
-    dynamic sparse tree (or, `static`, every node carrying all soft tokens) of at most `rows` inputs
+    dynamic sparse tree (or, `static`, every node carrying all soft tokens) of at most `inputs` inputs
     per pass that their held-out accuracies make best."""
     tensors, meta = artifacts.load(path, "ppd", model)
     with artifacts.unpacking(path, "ppd"):
@@ -114,10 +130,10 @@ def load_drafter(model, path: Path, rows: int, static: bool = False) -> PPDDraft
         soft_tokens = SoftTokens(embeddings)
         m, n = soft_tokens.count, soft_tokens.ensembles
         smallest = 1 + (m if static else 1) * n  # the root and its soft-token copies
-        if rows < smallest:
-            raise TooFewRows(f"--tree-rows {rows} cannot hold the root and its soft tokens ({m} soft tokens "
+        if inputs < smallest:
+            raise TooFewRows(f"--tree-rows {inputs} cannot hold the root and its soft tokens ({m} soft tokens "
                              f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
-        tree = best_dynamic_sparse_tree(meta["accuracy"], rows, m, n, dynamic=not static)
+        tree = best_dynamic_sparse_tree(meta["accuracy"], inputs, m, n, dynamic=not static)
         return PPDDrafter(model, soft_tokens, tree, meta["accuracy"])
 
 
@@ -156,7 +172,7 @@ class DynamicSparseTree:
     tokens_per_pass: float
 
     @property
-    def rows(self) -> int:
+    def inputs(self) -> int:
         """The most inputs a forward pass gets: the root, the candidates and every soft-token copy
         (a shallow state can hold fewer candidates than asked for: depth 1 has only so many ranks)."""
         return max(1 + len(s.spec) + sum(s.soft_counts) * self.ensembles for s in self.states.values())
@@ -212,13 +228,13 @@ def dynamic_sparse_tree(accuracy, candidates: int, soft_tokens: int, max_soft: i
     return DynamicSparseTree(states, ensembles, 1 + sum(p * states[k].expected_accepted for p, k in zip(pi, order)))
 
 
-def best_dynamic_sparse_tree(accuracy, rows: int, max_soft: int, ensembles: int,
+def best_dynamic_sparse_tree(accuracy, inputs: int, max_soft: int, ensembles: int,
                              dynamic: bool = True) -> DynamicSparseTree:
-    """The PPD tree of the most tokens per pass whose forward pass has at most `rows` inputs: every
-    split of the rows into candidates and soft tokens is tried (section 4.2, c(n_c, n_p))."""
+    """The PPD tree of the most tokens per pass whose forward pass has at most `inputs` inputs: every
+    split of the inputs into candidates and soft tokens is tried (section 4.2, c(n_c, n_p))."""
     best = None
-    for candidates in range(rows):
-        spare = rows - 1 - candidates  # rows left for soft-token copies
+    for candidates in range(inputs):
+        spare = inputs - 1 - candidates  # inputs left for soft-token copies
         per_copy = spare // ensembles
         if per_copy < (candidates + 1) * (1 if dynamic else max_soft):
             break  # every node needs at least one soft token (static: max_soft)
@@ -227,7 +243,7 @@ def best_dynamic_sparse_tree(accuracy, rows: int, max_soft: int, ensembles: int,
         if best is None or tree.tokens_per_pass > best.tokens_per_pass:
             best = tree
     if best is None:
-        raise ValueError(f"{rows} rows cannot hold a root with {ensembles} soft-token copies")
+        raise ValueError(f"{inputs} inputs cannot hold a root with {ensembles} soft-token copies")
     return best
 
 
@@ -236,15 +252,13 @@ def best_dynamic_sparse_tree(accuracy, rows: int, max_soft: int, ensembles: int,
 def insertion_layout(points: list[int], count: int, ensembles: int, prefix_length: int):
     """Rows for soft tokens inserted after each of `points` (positions in the answer's sequence):
     the same layout as a tree whose nodes are those tokens, each carrying `count` soft tokens, so
-    training sees the very mask decoding uses (tree.Tree.ancestor_mask, the ensemble mask).
+    training sees the very mask decoding uses (`soft_layout`, the ensemble mask).
     Returns (positions [R], mask [R, prefix_length + R], distance of each row [R])."""
-    rows_per_point = count * ensembles
-    star = Tree([0] + [1] * len(points), [-1] + [0] * len(points), soft_counts=[0] + [count] * len(points),
-                ensembles=ensembles)
-    own = star.ancestor_mask()[len(star):, len(star):]  # soft rows among themselves
-    slots = star.soft_slots()
-    point = torch.tensor(points).repeat_interleave(rows_per_point)  # [R]
-    distance = torch.tensor([d for _, d, _ in slots])
+    star = Tree([0] + [1] * len(points), [-1] + [0] * len(points))
+    star = star.with_extra(soft_layout([0] + [count] * len(points), ensembles))
+    own = star.input_mask(0)[len(star):, len(star):]  # soft rows among themselves
+    point = torch.tensor(points).repeat_interleave(count * ensembles)  # [R]
+    distance = torch.tensor(star.extra.offset)
     sees_prefix = torch.arange(prefix_length)[None] <= point[:, None]  # the answer up to the insertion
     return point + distance, torch.cat([sees_prefix, own], dim=1), distance
 
@@ -255,22 +269,18 @@ def inserted_logits(model, soft_tokens: SoftTokens, prefix: FrozenPrefix, points
     m, n = soft_tokens.count, soft_tokens.ensembles
     positions, mask, _ = insertion_layout(points, m, n, prefix.length)
     embeds = soft_tokens.embeddings.expand(len(points), m, n, -1).reshape(1, len(points) * m * n, -1)
-    hidden = model.hidden_states(embeds=embeds, positions=positions, cache=prefix, mask=mask)[0]  # [I*m*n, D]
+    hidden = model.hidden_states(embeds=embeds, positions=positions, cache=prefix, slots=prefix.claim(len(positions)),
+                                 mask=mask)[0]  # [I*m*n, D]
     return soft_tokens.ensemble_average(model.logits(hidden)).view(len(points), m, -1)
 
 
-def ppd_loss(model, soft_tokens: SoftTokens, record, insertions: int, generator) -> torch.Tensor:
-    """Equation 1 on one answer, soft tokens inserted after `insertions` random answer positions:
+def ppd_loss(model, soft_tokens: SoftTokens, hidden: torch.Tensor, prefix: FrozenPrefix,
+             points: list[int]) -> torch.Tensor:
+    """Equation 1 on one sequence, whose frozen base pass gave `hidden` [T, D] and `prefix` (its K/V),
+    soft tokens inserted after each of `points` (each at least m before the end):
     1/N sum_i KL(P_i || Q_i) alpha^(i-1), P_i the model's own distribution i places after the next
     token, Q_i the i-th soft token's EPT-averaged one."""
-    tokens = sequence(record)
-    hidden, prefix = base_pass(model, tokens)
     m = soft_tokens.count
-    usable = [t for t in answer_positions(record) if t + m < len(tokens)]  # teachers exist for all m
-    if not usable:
-        return None
-    pick = torch.randperm(len(usable), generator=generator)[:insertions].sort().values
-    points = [usable[i] for i in pick]
     student_logits = inserted_logits(model, soft_tokens, prefix, points)  # [I, m, V]
     with torch.no_grad():  # the teacher for soft token i after t: the model's own distribution at t+i
         teacher_rows = torch.tensor(points)[:, None] + torch.arange(1, m + 1)[None]
@@ -280,23 +290,15 @@ def ppd_loss(model, soft_tokens: SoftTokens, record, insertions: int, generator)
 
 
 @torch.no_grad()
-def ppd_accuracy(model, soft_tokens: SoftTokens, records, insertions: int) -> list[list[float]]:
-    """accuracy[d][r]: how often the rank-r guess of soft token d+1 is the answer's actual token
-    d+1 places after the next one, at `insertions` evenly spread points per held-out answer."""
+def guess_hits(model, soft_tokens: SoftTokens, prefix: FrozenPrefix, tokens: list[int],
+               points: list[int]) -> torch.Tensor:
+    """[m, TOP_RANKS]: at how many of `points` (each at least m + 1 before the end of `tokens`, whose
+    K/V `prefix` holds) the rank-r guess of soft token d+1 is the actual token d+1 places after the
+    next one. Divided by the points, over held-out answers: the accuracy table the tree is built from."""
     m = soft_tokens.count
-    hits, total = torch.zeros(m, TOP_RANKS), 0
-    for record in records:
-        tokens = sequence(record)
-        usable = [t for t in answer_positions(record) if t + m + 1 < len(tokens)]
-        if not usable:
-            continue
-        points = usable[::max(1, len(usable) // insertions)]
-        _, prefix = base_pass(model, tokens)
-        guesses = inserted_logits(model, soft_tokens, prefix, points).topk(TOP_RANKS).indices  # [I, m, R]
-        actual = torch.tensor(tokens)[torch.tensor(points)[:, None] + torch.arange(2, m + 2)[None]]  # [I, m]
-        hits += (guesses == actual[..., None]).sum(0)
-        total += len(points)
-    return (hits / max(total, 1)).tolist()
+    guesses = inserted_logits(model, soft_tokens, prefix, points).topk(TOP_RANKS).indices  # [I, m, R]
+    actual = torch.tensor(tokens)[torch.tensor(points)[:, None] + torch.arange(2, m + 2)[None]]  # [I, m]
+    return (guesses == actual[..., None]).sum(0).float()
 
 
 def initial_embeddings(model, count: int, ensembles: int, seed: int) -> torch.Tensor:

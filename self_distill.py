@@ -28,7 +28,7 @@ import torch
 
 import bench_data
 from errors import UserError
-from kv_cache import KVCache
+from kv_cache import FrozenPrefix, KVCache
 from sampling import Sampling, target_probs
 
 VALIDATION_EVERY = 10  # every 10th record's answers are held out: accuracies and tree statistics come from these
@@ -137,7 +137,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     causal = torch.ones(longest, longest, dtype=torch.bool, device=model.device).tril()
     mask = (causal & slot_is_real[:, None, :longest]) | torch.eye(longest, dtype=torch.bool, device=model.device)
     positions = (torch.arange(longest, device=model.device)[None] - pads[:, None]).clamp(min=0)
-    hidden = model.hidden_states(tokens, positions=positions, cache=cache, mask=mask)
+    hidden = model.hidden_states(tokens, positions=positions, cache=cache, slots=cache.claim(longest), mask=mask)
     next_tokens = choose(model.logits(hidden[:, -1]))  # [B]
 
     answers, done = [[] for _ in prompts], [False] * B
@@ -148,9 +148,9 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
                 done[row] = token in eos_ids
         if all(done) or step == max_new_tokens - 1:
             break
-        S = cache.length + 1
-        hidden = model.hidden_states(next_tokens[:, None], positions=(S - 1 - pads)[:, None], cache=cache,
-                                     mask=slot_is_real[:, None, :S])
+        slot = cache.claim(1)
+        hidden = model.hidden_states(next_tokens[:, None], positions=(slot.start - pads)[:, None], cache=cache,
+                                     slots=slot, mask=slot_is_real[:, None, :slot.stop])
         next_tokens = choose(model.logits(hidden[:, -1]))
     return answers
 
@@ -213,25 +213,11 @@ def answer_positions(record) -> range:
     return range(start, start + len(record["answer_ids"]))
 
 
-class FrozenPrefix:
-    """A stand-in for KVCache when training: the keys and values of an answer's base pass, fixed,
-    with each layer's new K/V concatenated after them (so autograd can see through)."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values  # [layers, 1, K, T, E]
-        self.length = keys.shape[3]
-
-    def reserve(self, count):
-        pass
-
-    def write(self, layer, k, v):
-        return torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
-
-
 @torch.no_grad()
 def base_pass(model, tokens: list[int]) -> tuple[torch.Tensor, FrozenPrefix]:
     """The frozen base model over a token sequence: its final hidden states [T, D] (the teacher's
     signal) and its K/V, for passes that continue from it."""
     cache = KVCache.for_model(model, capacity=len(tokens))
-    hidden = model.hidden_states(torch.tensor([tokens]), positions=torch.arange(len(tokens)), cache=cache)
+    hidden = model.hidden_states(torch.tensor([tokens]), positions=torch.arange(len(tokens)), cache=cache,
+                                 slots=cache.claim(len(tokens)))
     return hidden[0], FrozenPrefix(cache.keys, cache.values)

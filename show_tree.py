@@ -45,7 +45,7 @@ def quoted(text: str) -> str:
 def draw_pass(number: int, step: Pass, text_of, colour: bool = False) -> str:
     """The tree of one pass as lines of text; text_of(ids) -> the text of those token ids."""
     tree, verdict = step.tree, step.verdict
-    outcomes = verdict.outcomes(tree)
+    outcomes = step.outcomes()
 
     def paint(text: str, kind: str) -> str:
         return f"{COLOURS[kind]}{text}{RESET}" if colour else text
@@ -85,10 +85,12 @@ def draw_pass(number: int, step: Pass, text_of, colour: bool = False) -> str:
 
 
 def soft_tokens_line(tree, node: int) -> str:
-    count = tree.soft_counts[node]
-    if not count:
+    """The extra inputs hung on `node` (PPD's soft tokens), by their distances and copies."""
+    offsets = [tree.extra.offset[row - len(tree)] for row in tree.extra_rows(node)]
+    if not offsets:
         return ""
-    copies = f", ×{tree.ensembles} ensemble copies" if tree.ensembles > 1 else ""
+    count = len(set(offsets))
+    copies = f", ×{len(offsets) // count} ensemble copies" if len(offsets) > count else ""
     distances = " ".join(f"+{d}" for d in range(1, count + 1))
     return f"{count} soft token{'s' if count > 1 else ''} ({distances}{copies}): guesses for the next pass"
 

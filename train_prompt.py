@@ -34,17 +34,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import artifacts
-from apar import CHILD_TOKEN, FORK_TOKEN, ControlTokens
-from apar_finetune import (ADAPTED_LINEARS, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
-                           packs, require_tied_embeddings)
+from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
+from apar_finetune import AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, packs
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
-from medusa import MedusaHeads, answer_features, medusa_accuracy, medusa_loss
+from medusa import MedusaHeads, medusa_accuracy, medusa_loss
 from model import load_checkpoint, parse_device
-from ppd import SoftTokens, initial_embeddings, ppd_accuracy, ppd_loss
+from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from sampling import Sampling
-from self_distill import VALIDATION_EVERY, generate_answers, split_records, training_prompts
+from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, sequence, split_records,
+                          training_prompts)
 from tokenizer import Tokenizer
 
 MAX_HEADS = 7
@@ -90,8 +90,8 @@ def train_ppd(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
         epoch, index = divmod(step, len(training))
         order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed + epoch))
         record = training[order[index]]
-        loss = ppd_loss(model, soft_tokens, record, args.insertions,
-                        torch.Generator().manual_seed(args.seed * 100003 + step))
+        loss = ppd_record_loss(model, soft_tokens, record, args.insertions,
+                               torch.Generator().manual_seed(args.seed * 100003 + step))
         return loss, min(args.insertions, len(record["answer_ids"])) * args.soft_tokens
 
     run_steps(soft_tokens, optimizer, total_steps, step_loss, args)
@@ -100,7 +100,56 @@ def train_ppd(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
                                                     "ensembles": args.ensembles, "accuracy": accuracy}
 
 
+def ppd_record_loss(model, soft_tokens: SoftTokens, record, insertions: int, generator) -> torch.Tensor | None:
+    """ppd.ppd_loss on one answer, soft tokens inserted after `insertions` random answer positions
+    that have teachers for all m (None when the answer is too short for any)."""
+    tokens = sequence(record)
+    usable = [t for t in answer_positions(record) if t + soft_tokens.count < len(tokens)]
+    if not usable:
+        return None
+    pick = torch.randperm(len(usable), generator=generator)[:insertions].sort().values
+    hidden, prefix = base_pass(model, tokens)
+    return ppd_loss(model, soft_tokens, hidden, prefix, [usable[i] for i in pick])
+
+
+@torch.no_grad()
+def ppd_accuracy(model, soft_tokens: SoftTokens, records, insertions: int) -> list[list[float]]:
+    """accuracy[d][r]: how often the rank-r guess of soft token d+1 is the answer's actual token
+    d+1 places after the next one, at `insertions` evenly spread points per held-out answer."""
+    hits, total = torch.zeros(soft_tokens.count, TOP_RANKS), 0
+    for record in records:
+        tokens = sequence(record)
+        usable = [t for t in answer_positions(record) if t + soft_tokens.count + 1 < len(tokens)]
+        if not usable:
+            continue
+        points = usable[::max(1, len(usable) // insertions)]
+        _, prefix = base_pass(model, tokens)
+        hits += guess_hits(model, soft_tokens, prefix, tokens, points)
+        total += len(points)
+    return (hits / max(total, 1)).tolist()
+
+
 # ---- Medusa -------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def answer_features(model, records) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen model's final hidden states at every answer position [M, D], and the sequence's
+    tokens after each position [M, 8] (-1 past the end): head k's target is column k. Progress on
+    stderr."""
+    hidden, targets = [], []
+    for i, record in enumerate(records):
+        tokens = sequence(record)
+        states, _ = base_pass(model, tokens)
+        positions = answer_positions(record)
+        hidden.append(states[positions.start:positions.stop])
+        padded = torch.tensor(tokens + [-1] * 8)
+        targets.append(torch.stack([padded[t + 1:t + 9] for t in positions]))
+        print(f"\rbase model's hidden states: {i + 1}/{len(records)} answers", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return torch.cat(hidden), torch.cat(targets)
+
+
+
 
 def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """answer_features, computed once per data file and kept beside it (the base model is frozen)."""

@@ -20,22 +20,66 @@ The tree can be built from:
   (Medusa section 2.1.2; PPD section 4.2 uses the same kind of spec), chosen by `best_sparse_tree`
   from measured per-depth, per-rank accuracies.
 
-A node may also carry *soft tokens*: extra inputs that are trained embeddings, not vocabulary
-tokens, and guess the tokens after the node's own next token (PPD's "prompt tokens", Chen et al.
-2024, Figure 2; called soft tokens here so that "prompt tokens" always means the prompt's own).
-A node carrying k of them gets k extra input rows (distances 1..k), each in `ensembles` copies
-(PPD's EPTs, section 3.2). They ride in the same forward pass as the nodes, after all of them, and
-their K/V are never kept. ppd.py decides how many each node carries.
+After the nodes a tree may carry *extra inputs* that are not tokens (`ExtraInputs`): PPD's trained
+soft tokens (Chen et al. 2024, Figure 2; ppd.py lays them out). Each hangs on a node and sees what
+that node sees; they ride in the same forward pass, after all the nodes, and their K/V are never
+kept. A tree without them is all that every other method needs.
 
 Pure Python and torch tensors, no model code, so it can be property-tested exhaustively.
 """
 
 import heapq
 import math
+from dataclasses import dataclass
 from itertools import repeat
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
+
+
+class Evidence(NamedTuple):
+    """Why a node was guessed, as one source saw it. `key` files the guess's outcome for cost-aware
+    drafting (cost_aware.py), e.g. ("anpd", 4, 2): an n-gram of level 4 seen twice; `prior` is the
+    source's own estimate of the guess's chance of acceptance."""
+    key: tuple
+    prior: float
+
+
+@dataclass(frozen=True)
+class ExtraInputs:
+    """S inputs that are not tokens, fed after a tree's N nodes (PPD's soft tokens: ppd.py).
+
+    Extra row r hangs on node `node[r]`: it sees that node and its ancestors, and also extra row
+    `follows[r]` (on the same node, earlier; -1 for none) with all that row sees, and it sits
+    `offset[r]` places after its node. `embeddings` [S, D] are their inputs (None: the layout
+    alone, for training, which makes its own inputs).
+    """
+    node: tuple[int, ...]
+    offset: tuple[int, ...]
+    follows: tuple[int, ...]
+    embeddings: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not len(self.node) == len(self.offset) == len(self.follows):
+            raise ValueError("extra inputs need a node, an offset and a row it follows, each")
+        for row, (node, earlier) in enumerate(zip(self.node, self.follows)):
+            if earlier != -1 and not (0 <= earlier < row and self.node[earlier] == node):
+                raise ValueError(f"extra row {row} follows row {earlier}: an earlier row on the same node, or -1")
+        if self.embeddings is not None and len(self.embeddings) != len(self.node):
+            raise ValueError(f"{len(self.embeddings)} embeddings for {len(self.node)} extra inputs")
+
+    def __len__(self) -> int:
+        return len(self.node)
+
+    def of_nodes(self, nodes: Sequence[int]) -> "ExtraInputs":
+        """The rows hung on `nodes` (ascending), each node renumbered as its index in `nodes`."""
+        new_node = {old: new for new, old in enumerate(nodes)}
+        rows = [row for row, node in enumerate(self.node) if node in new_node]
+        new_row = {old: new for new, old in enumerate(rows)}
+        return ExtraInputs(tuple(new_node[self.node[r]] for r in rows), tuple(self.offset[r] for r in rows),
+                           tuple(new_row.get(self.follows[r], -1) for r in rows),
+                           None if self.embeddings is None else self.embeddings[rows])
 
 
 class Tree:
@@ -46,35 +90,27 @@ class Tree:
     (n-grams, a trie, top-k, or a draft model decoding greedily); verify.py then treats q as a point
     mass on the guessed token.
 
-    soft_counts[i]: how many soft tokens node i carries (none by default), each in `ensembles`
-    copies; soft_inputs [S, D]: their embeddings, one row per `soft_slots()` entry, in that order.
+    evidence[i]: why node i was guessed, one `Evidence` per source that guessed it; () for the root.
 
-    evidence[i]: why node i was guessed, as (key, prior) pairs, one per source that guessed it: the
-    key files the guess's outcome for cost-aware drafting (cost_aware.py; e.g. ("anpd", level 4,
-    seen twice)), the prior is the source's own estimate of its chance. () for the root.
+    extra (optional): inputs fed after the nodes (`ExtraInputs`).
     """
 
     def __init__(self, tokens: Sequence[int], parents: Sequence[int],
-                 draft_probs: torch.Tensor | None = None, soft_counts: Sequence[int] | None = None,
-                 ensembles: int = 1, soft_inputs: torch.Tensor | None = None,
-                 evidence: Sequence[tuple] | None = None):
+                 draft_probs: torch.Tensor | None = None, evidence: Sequence[tuple[Evidence, ...]] | None = None,
+                 extra: ExtraInputs | None = None):
         if not tokens or len(tokens) != len(parents) or parents[0] != -1:
             raise ValueError("a tree needs a root (parent -1) and one parent per token")
         if draft_probs is not None and len(draft_probs) != len(tokens):
             raise ValueError(f"draft_probs has {len(draft_probs)} rows for {len(tokens)} nodes")
-        if soft_counts is not None and len(soft_counts) != len(tokens):
-            raise ValueError(f"soft_counts has {len(soft_counts)} entries for {len(tokens)} nodes")
         if evidence is not None and len(evidence) != len(tokens):
             raise ValueError(f"evidence has {len(evidence)} entries for {len(tokens)} nodes")
+        if extra is not None and not all(0 <= node < len(tokens) for node in extra.node):
+            raise ValueError("an extra input hangs on a node the tree does not have")
         self.tokens = list(tokens)
         self.parents = list(parents)
         self.draft_probs = draft_probs
-        self.soft_counts = list(soft_counts) if soft_counts is not None else [0] * len(tokens)
-        self.ensembles = ensembles
-        if soft_inputs is not None and len(soft_inputs) != len(self.soft_slots()):
-            raise ValueError(f"soft_inputs has {len(soft_inputs)} rows for {len(self.soft_slots())} soft tokens")
-        self.soft_inputs = soft_inputs
         self.evidence = list(evidence) if evidence is not None else [()] * len(tokens)
+        self.extra = extra
         self.depths = [0]
         self.children = [[] for _ in tokens]
         for node in range(1, len(tokens)):
@@ -88,7 +124,7 @@ class Tree:
 
     @classmethod
     def chain(cls, root: int, draft: Sequence[int], draft_probs: torch.Tensor | None = None,
-              evidence: Sequence[tuple] | None = None) -> "Tree":
+              evidence: Sequence[tuple[Evidence, ...]] | None = None) -> "Tree":
         """root -> draft[0] -> draft[1] -> ...; draft_probs [len(draft), V]: what each was sampled from;
         evidence: each guess's (see the class)."""
         if draft_probs is not None:
@@ -98,7 +134,7 @@ class Tree:
 
     @classmethod
     def from_branches(cls, root: int, branches: Iterable[Sequence[int]], budget: int,
-                      merge: bool = True, evidence: Iterable[Sequence[tuple]] | None = None) -> "Tree":
+                      merge: bool = True, evidence: Iterable[Sequence[tuple[Evidence, ...]]] | None = None) -> "Tree":
         """Hang each branch (a guessed continuation of the root) under the root, best branch first,
         until `budget` draft nodes are used (the last branch that fits only partly is cut).
 
@@ -127,15 +163,13 @@ class Tree:
         return cls(tokens, parents, evidence=node_evidence)
 
     @classmethod
-    def from_topk(cls, root: int, candidates: Sequence[Sequence[int]],
-                  spec: Iterable[Sequence[int]], soft_counts: Sequence[int] | None = None,
-                  ensembles: int = 1, accuracy: Sequence[Sequence[float]] | None = None,
-                  source: str = "top-k") -> "Tree":
+    def from_topk(cls, root: int, candidates: Sequence[Sequence[int]], spec: Iterable[Sequence[int]],
+                  accuracy: Sequence[Sequence[float]] | None = None, source: str = "top-k") -> "Tree":
         """A sparse tree over per-depth candidates: candidates[d][i] is the (i+1)-th best guess for
         the token at depth d+1. Each path in `spec` (e.g. (0, 1): best guess, then second best)
-        becomes one node; every path's prefix must come earlier in the spec. soft_counts: soft
-        tokens per node (root first), as ppd.py allots them. accuracy[d][r] (optional): how often
-        the rank-r guess at depth d+1 is right, each node's evidence ((source, depth, rank), that)."""
+        becomes one node; every path's prefix must come earlier in the spec. accuracy[d][r]
+        (optional): how often the rank-r guess at depth d+1 is right, each node's evidence
+        (key (source, depth, rank), prior that accuracy)."""
         tokens, parents, evidence = [root], [-1], [()]
         node_of_path = {(): 0}
         for path in map(tuple, spec):
@@ -147,10 +181,14 @@ class Tree:
             tokens.append(candidates[depth][rank])
             parents.append(node_of_path[path[:-1]])
             node_of_path[path] = len(tokens) - 1
-            evidence.append((((source, depth + 1, rank), accuracy[depth][rank]),) if accuracy else ())
-        return cls(tokens, parents, soft_counts=soft_counts, ensembles=ensembles, evidence=evidence)
+            evidence.append((Evidence((source, depth + 1, rank), accuracy[depth][rank]),) if accuracy else ())
+        return cls(tokens, parents, evidence=evidence)
 
-    # ---- what the forward pass needs ----
+    def with_extra(self, extra: ExtraInputs | None) -> "Tree":
+        """The same nodes, carrying `extra` inputs instead."""
+        return Tree(self.tokens, self.parents, self.draft_probs, self.evidence, extra)
+
+    # ---- what the forward pass needs: the nodes ----
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -160,42 +198,67 @@ class Tree:
         """Guessed nodes: everything but the root."""
         return len(self.tokens) - 1
 
-    def soft_slots(self) -> list[tuple[int, int, int]]:
-        """(node, distance, ensemble group) of every soft-token input, in the order their rows
-        follow the N nodes: node by node, distance 1..count, group 0..ensembles-1."""
-        return [(node, distance, group) for node, count in enumerate(self.soft_counts)
-                for distance in range(1, count + 1) for group in range(self.ensembles)]
-
-    def soft_rows(self, node: int) -> list[int]:
-        """Input rows (after the N nodes) of the soft tokens `node` carries."""
-        return [row for row, slot in enumerate(self.soft_slots(), start=len(self.tokens)) if slot[0] == node]
-
     def positions(self, cache_length: int, device=None) -> torch.Tensor:
-        """[N + S] RoPE positions: a node sits as far after the cache as it is deep in the tree; its
-        soft token at distance d sits d places after it, where the token it guesses would be."""
-        slots = [self.depths[node] + distance for node, distance, _ in self.soft_slots()]
-        return torch.tensor(self.depths + slots, device=device) + cache_length
+        """[N] RoPE positions: a node sits as far after the cache as it is deep in the tree."""
+        return torch.tensor(self.depths, device=device) + cache_length
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[N + S, N + S] bool: mask[i, j] is True when row j is row i or one of its ancestors. A
-        soft token's ancestors are its node, the node's ancestors, and the same node's soft tokens
-        at smaller distances *in its own ensemble group* (PPD appendix B.5.1, the ensemble mask: the
-        n-th EPT sees only the n-th EPTs before it). Nodes never see soft tokens."""
-        n, slots = len(self.tokens), self.soft_slots()
-        mask = torch.eye(n + len(slots), dtype=torch.bool)
-        for node in range(1, n):  # parents come first, so each parent's row is already complete
+        """[N, N] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
+        mask = torch.eye(len(self.tokens), dtype=torch.bool)
+        for node in range(1, len(self.tokens)):  # parents come first, so each parent's row is already complete
             mask[node] |= mask[self.parents[node]]
-        previous_in_group = {}  # (node, group) -> row of the soft token one distance closer
-        for row, (node, _, group) in enumerate(slots, start=n):
-            mask[row] |= mask[previous_in_group.get((node, group), node)]
-            previous_in_group[node, group] = row
         return mask
 
     def attention_mask(self, cache_length: int, device=None) -> torch.Tensor:
-        """[N + S, cache_length + N + S] bool: every row sees the whole cache, then its ancestors."""
-        rows = len(self.tokens) + sum(self.soft_counts) * self.ensembles
-        seen_cache = torch.ones(rows, cache_length, dtype=torch.bool)
+        """[N, cache_length + N] bool: every node sees the whole cache, then its ancestors."""
+        seen_cache = torch.ones(len(self.tokens), cache_length, dtype=torch.bool)
         return torch.cat([seen_cache, self.ancestor_mask()], dim=1).to(device)
+
+    # ---- what the forward pass needs: the nodes, then the extra inputs ----
+
+    @property
+    def input_count(self) -> int:
+        """Inputs of the forward pass: N nodes + S extra inputs."""
+        return len(self.tokens) + (len(self.extra) if self.extra else 0)
+
+    def inputs_of(self, node: int) -> int:
+        """The inputs `node` brings to a pass: itself and the extra inputs hung on it."""
+        return 1 + len(self.extra_rows(node))
+
+    def extra_rows(self, node: int) -> list[int]:
+        """The input rows (after the N nodes) of the extra inputs hung on `node`."""
+        hung = self.extra.node if self.extra else ()
+        return [len(self.tokens) + row for row, on in enumerate(hung) if on == node]
+
+    def input_embeddings(self, embed) -> torch.Tensor:
+        """[1, N + S, D]: the nodes' token embeddings (`embed`: the model's), then the extra inputs'."""
+        nodes = embed(torch.tensor([self.tokens], device=embed.weight.device))
+        if not self.extra:
+            return nodes
+        return torch.cat([nodes, self.extra.embeddings[None].to(nodes)], dim=1)
+
+    def input_positions(self, cache_length: int, device=None) -> torch.Tensor:
+        """[N + S]: the nodes' positions, then each extra input's: its node's + its offset."""
+        if not self.extra:
+            return self.positions(cache_length, device)
+        extra = [self.depths[node] + offset for node, offset in zip(self.extra.node, self.extra.offset)]
+        return torch.tensor(self.depths + extra, device=device) + cache_length
+
+    def input_mask(self, cache_length: int, device=None) -> torch.Tensor:
+        """[N + S, cache_length + N + S] bool: the attention mask over every input. An extra input
+        sees the cache, its node and the node's ancestors, and the extra row it follows with all that
+        one sees; no node sees an extra input."""
+        if not self.extra:
+            return self.attention_mask(cache_length, device)
+        n, rows = len(self.tokens), self.input_count
+        own = torch.zeros(rows, rows, dtype=torch.bool)
+        own[:n, :n] = self.ancestor_mask()
+        for row, (node, earlier) in enumerate(zip(self.extra.node, self.extra.follows), start=n):
+            own[row] = own[node if earlier == -1 else n + earlier]
+            own[row, row] = True
+        return torch.cat([torch.ones(rows, cache_length, dtype=torch.bool), own], dim=1).to(device)
+
+    # ---- cutting ----
 
     def truncated(self, max_depth: int) -> "Tree":
         """The nodes at most `max_depth` below the root (the decoding loop cuts guesses that would
@@ -206,16 +269,14 @@ class Tree:
 
     def subtree(self, keep: Sequence[int]) -> "Tree":
         """The nodes `keep` (ascending, the root and every kept node's parent among them), with their
-        soft tokens, draft distributions and evidence."""
+        draft distributions, evidence and extra inputs."""
+        keep = list(keep)
         new_index = {old: new for new, old in enumerate(keep)}
-        kept = set(keep)
-        kept_soft_rows = [row for row, (node, _, _) in enumerate(self.soft_slots()) if node in kept]
         return Tree([self.tokens[n] for n in keep],
                     [-1] + [new_index[self.parents[n]] for n in keep[1:]],
-                    None if self.draft_probs is None else self.draft_probs[list(keep)],
-                    [self.soft_counts[n] for n in keep], self.ensembles,
-                    None if self.soft_inputs is None else self.soft_inputs[kept_soft_rows],
-                    [self.evidence[n] for n in keep])
+                    None if self.draft_probs is None else self.draft_probs[keep],
+                    [self.evidence[n] for n in keep],
+                    self.extra.of_nodes(keep) if self.extra else None)
 
     def __repr__(self) -> str:
         return f"Tree(tokens={self.tokens}, parents={self.parents})"

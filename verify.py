@@ -23,7 +23,7 @@ rejection set p'(c) = 0, renormalise and try the next child; if all fail, draw t
 final p'. An accepted child continues the walk with the p the model computed there; a rejected
 token cannot come back as the bonus, so "the output starts with a guessed path" and "the walk went
 through that path" are the same event, which is why every emitted token has exactly vanilla's
-conditional distribution (tests/test_sampling_verify.py checks this by enumerating every outcome).
+conditional distribution (tests/test_verify.py checks this by enumerating every outcome).
 
 Typical acceptance (Cai et al. 2024, "Medusa", section 2.3.1) is LOSSY: accept a guess x when
 p(x) > min(epsilon, delta * exp(-H(p))), take the longest such path, and sample the bonus from p at its
@@ -60,14 +60,6 @@ class Verdict:
     @property
     def accepted_guesses(self) -> int:
         return len(self.path) - 1
-
-    def outcomes(self, tree: Tree) -> list[str]:
-        """Per node of the tree this verdict judged: "accepted" (on the path; the root always is),
-        "rejected" (its parent is on the path but the walk did not go on to it) or "unreached" (an
-        ancestor was rejected, so nothing judged it)."""
-        on_path = set(self.path)
-        return ["accepted" if node in on_path else "rejected" if tree.parents[node] in on_path else "unreached"
-                for node in range(len(tree))]
 
 
 @dataclass(frozen=True)
@@ -106,8 +98,10 @@ class Chance:
 
 def verify(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator=None,
            typical: TypicalAcceptance | None = None) -> Verdict:
-    """logits: [N, V], row i scoring the token after node i. Greedy when sampling.greedy; else exact
-    speculative sampling, or the lossy typical acceptance when `typical` is given."""
+    """logits: [N (+ S), V], row i scoring the token after node i (rows after the N nodes, a tree's
+    extra inputs, are not judged). Greedy when sampling.greedy; else exact speculative sampling, or the
+    lossy typical acceptance when `typical` is given."""
+    logits = logits[:len(tree)]
     if sampling.greedy:
         return verify_greedy(tree, logits)
     probs = target_probs(logits, sampling)  # [N, V]: the very p vanilla sampling draws from

@@ -38,7 +38,8 @@ import json
 import re
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
@@ -100,9 +101,9 @@ def tree_rows(tree, extra: dict) -> dict:
 def tree_figure(step: Pass, text_of, title: str):
     """The candidate tree of one pass, the accepted path and bonus token highlighted."""
     tree, verdict = step.tree, step.verdict
-    outcomes = verdict.outcomes(tree)
+    outcomes = step.outcomes()
     labels = [label(text_of([token])) for token in tree.tokens]
-    extra = {node: [("soft", node)] for node in range(len(tree)) if tree.soft_counts[node]}
+    extra = {node: [("soft", node)] for node in range(len(tree)) if tree.extra_rows(node)}
     if step.bonus_emitted:
         extra[verdict.path[-1]] = [("bonus",)] + extra.get(verdict.path[-1], [])
     rows = tree_rows(tree, extra)
@@ -142,8 +143,9 @@ def tree_figure(step: Pass, text_of, title: str):
             x, y = at(node)
             ax.text(x + 0.05, y + 0.245, f"model: {label(text_of([step.choices[tree.parents[node]]]), 10)}",
                     fontsize=7, color=COLOURS["rejected"], va="center", family="monospace")
-        if tree.soft_counts[node]:
-            count, copies = tree.soft_counts[node], f" ×{tree.ensembles}" if tree.ensembles > 1 else ""
+        if tree.extra_rows(node):
+            count, copies = soft_tokens_on(tree, node)
+            copies = f" ×{copies}" if copies > 1 else ""
             edge(node, ("soft", node), color=COLOURS["soft"], lw=1, ls=":")
             box(("soft", node), f"{count} soft token{'s' if count > 1 else ''}{copies}", "soft", ls="--",
                 gid=f"soft-{node}")
@@ -154,25 +156,37 @@ def tree_figure(step: Pass, text_of, title: str):
         ("root", "root: the last chosen token"), ("accepted", "accepted guess"),
         ("rejected", "rejected (the model's choice under it)"), ("unreached", "unreached"),
         ("bonus", "bonus: the model's choice after the path")]]
-    if any(tree.soft_counts):
+    if tree.extra:
         legend.append(Patch(fc=FILLS["soft"], ec=COLOURS["soft"], ls="--", label="soft tokens: the next guesses"))
     ax.legend(handles=legend, loc="lower left", bbox_to_anchor=(0.0, 0.0), ncol=3, fontsize=8, frameon=False)
     ax.text(0, 0.35, title, fontsize=11, va="center")
     return fig
 
 
+def soft_tokens_on(tree, node: int) -> tuple[int, int]:
+    """(soft tokens, copies of each) of the extra inputs hung on `node` (PPD's, by their distances)."""
+    offsets = [tree.extra.offset[row - len(tree)] for row in tree.extra_rows(node)]
+    count = len(set(offsets))
+    return count, len(offsets) // max(count, 1)
+
+
 def input_labels(step: Pass, text_of) -> list[str]:
-    """One label per input row of the pass: "i token" for node i, "soft +d" for node i's soft tokens."""
+    """One label per input row of the pass: "i token" for node i, "soft +d" for node i's soft tokens
+    ("#c": copy c, when there are several)."""
     tree = step.tree
-    return ([f"{node} {label(text_of([token]), 10)}" for node, token in enumerate(tree.tokens)]
-            + [f"{node} soft +{distance}" + (f" #{group + 1}" if tree.ensembles > 1 else "")
-               for node, distance, group in tree.soft_slots()])
+    labels = [f"{node} {label(text_of([token]), 10)}" for node, token in enumerate(tree.tokens)]
+    seen = Counter()
+    for node, distance in zip(*(tree.extra.node, tree.extra.offset) if tree.extra else ((), ())):
+        seen[node, distance] += 1
+        copies = soft_tokens_on(tree, node)[1]
+        labels.append(f"{node} soft +{distance}" + (f" #{seen[node, distance]}" if copies > 1 else ""))
+    return labels
 
 
 def mask_figure(step: Pass, cached_ids: list[int], text_of, tail: int, title: str):
     """The attention mask of the pass over [the last `tail` cached tokens + its inputs] as a heat map."""
     tree = step.tree
-    mask = tree.attention_mask(step.cache_length)  # [R, cache + R]
+    mask = tree.input_mask(step.cache_length)  # [R, cache + R]
     shown_cache = min(tail, step.cache_length)
     mask = mask[:, step.cache_length - shown_cache:]
     rows = mask.shape[0]
@@ -188,7 +202,7 @@ def mask_figure(step: Pass, cached_ids: list[int], text_of, tail: int, title: st
               aspect="equal", interpolation="nearest")
     ax.set_xticks(range(mask.shape[1]), cache_labels + inputs, rotation=90, family="monospace", fontsize=8)
     ax.set_yticks(range(rows), inputs, family="monospace", fontsize=8)
-    outcomes = step.verdict.outcomes(tree) + ["soft"] * (rows - len(tree))
+    outcomes = step.outcomes() + ["soft"] * (rows - len(tree))
     for tick, outcome in zip(ax.get_yticklabels(), outcomes):
         tick.set_color({"accepted": COLOURS["accepted"], "rejected": COLOURS["rejected"],
                         "unreached": "#888888", "soft": COLOURS["soft"]}[outcome])  # as in the legend
@@ -218,9 +232,9 @@ def mask_figure(step: Pass, cached_ids: list[int], text_of, tail: int, title: st
 def positions_figure(step: Pass, text_of, title: str):
     """The RoPE position of each input row, rows in the order they are laid out in the pass."""
     tree = step.tree
-    positions = tree.positions(step.cache_length).tolist()
+    positions = tree.input_positions(step.cache_length).tolist()
     inputs = input_labels(step, text_of)
-    outcomes = step.verdict.outcomes(tree) + ["soft"] * (len(positions) - len(tree))
+    outcomes = step.outcomes() + ["soft"] * (len(positions) - len(tree))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * (max(positions) - step.cache_length + 3) + 2.5),
                                     0.3 * len(positions) + 1.8))
     for row, parent in enumerate(tree.parents):
@@ -228,7 +242,7 @@ def positions_figure(step: Pass, text_of, title: str):
             on_path = outcomes[row] == "accepted"
             ax.plot([positions[parent], positions[row]], [parent, row], zorder=1, lw=2 if on_path else 1,
                     color=COLOURS["accepted"] if on_path else "#bbbbbb")
-    for row, (node, _, _) in enumerate(tree.soft_slots(), start=len(tree)):
+    for row, node in enumerate(tree.extra.node if tree.extra else (), start=len(tree)):
         ax.plot([positions[node], positions[row]], [node, row], color=COLOURS["soft"], lw=0.8, ls=":", zorder=1)
     for row, (position, outcome) in enumerate(zip(positions, outcomes)):
         kind = "root" if row == 0 else outcome
@@ -282,12 +296,12 @@ def draw_cost(args) -> list[Path]:
         cuts.append(drafter.last_cut)
         accepted.append(step.verdict.accepted_guesses)
         priors.update({key: prior for evidence in step.tree.evidence for key, prior in evidence})
-        estimates.append({key: (drafter.estimates.probability(key, prior), drafter.estimates.judged[key])
+        estimates.append({key: (drafter.costs.estimates.probability(key, prior), drafter.costs.estimates.judged[key])
                           for key, prior in priors.items()})
     with torch.inference_mode():
         gen = generate(model, ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids, drafter=drafter,
                        on_pass=watch)
-    title = (f"{args.method}, cost-aware: {len(gen.token_ids)} tokens in {gen.forward_passes} forward passes, "
+    title = (f"{args.method}, cost-aware: {len(gen.token_ids)} tokens in {gen.counts.forward_passes} forward passes, "
              f"{sum(accepted)} accepted guesses of {sum(c.sent for c in cuts)} sent "
              f"({sum(c.candidates for c in cuts)} offered)\nprompt: {visible(short(args.prompt))}")
     return save(cost_figure(cuts, accepted, estimates, title), args.out, f"cost-{args.method}", args.formats)
@@ -331,8 +345,8 @@ def answer_figure(answers: dict[str, Generation], text_of, title: str, columns: 
                 ax.plot([x0 + 0.01, x1 - 0.01], [line * line_height + 0.14] * 2, lw=2, solid_capstyle="butt",
                         color="#555555" if number % 2 else "#aaaaaa")
         guesses = sum(gen.from_draft)
-        ax.set_title(f"{name}: {len(gen.token_ids)} tokens in {gen.forward_passes} forward passes "
-                     f"({len(gen.token_ids) / gen.forward_passes:.2f} per pass), {guesses} of them accepted "
+        ax.set_title(f"{name}: {len(gen.token_ids)} tokens in {gen.counts.forward_passes} forward passes "
+                     f"({len(gen.token_ids) / gen.counts.forward_passes:.2f} per pass), {guesses} of them accepted "
                      "guesses (green); a bar under each pass's tokens", fontsize=9, loc="left")
     fig.suptitle(title, fontsize=11, x=0.01, ha="left")
     fig.tight_layout()
@@ -506,7 +520,7 @@ def save(fig, folder: Path, name: str, formats: list[str]) -> list[Path]:
 class ThreadRun:
     """One APAR generation and every verdict its threads took (apar.generate_apar's `watch`)."""
     gen: object  # apar.AparGeneration
-    verdicts: list  # (pass number, thread number, tokens, accepted guesses among them, threads it forked)
+    verdicts: list  # apar.ThreadPass: each verdict a thread took
 
 
 def threads_figure(runs: dict[str, ThreadRun], text_of, control, eos_ids, title: str):
@@ -515,12 +529,12 @@ def threads_figure(runs: dict[str, ThreadRun], text_of, control, eos_ids, title:
     token, green when it accepted guesses (the number: tokens taken). A [Fork] the thread wrote is a
     purple mark, a grey line goes from it to the child it started, a black bar is the thread's EOS."""
     heights = [1 + 0.32 * run.gen.threads for run in runs.values()]
-    passes = max(run.gen.forward_passes for run in runs.values())
+    passes = max(run.gen.counts.forward_passes for run in runs.values())
     fig, axes = plt.subplots(len(runs), 1, figsize=(min(4 + 0.13 * passes, 30), sum(heights) + 1.2),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items()):
         written = {}  # thread -> its tokens, for its label
-        for number, thread, tokens, accepted, forked in run.verdicts:
+        for number, thread, tokens, accepted, forked in map(astuple, run.verdicts):
             written.setdefault(thread, []).extend(tokens)
             kind = "accepted" if accepted else "bonus"
             ax.add_patch(Rectangle((number - 0.45, thread - 0.32), 0.9, 0.64, fc=FILLS[kind], ec=COLOURS[kind],
@@ -542,8 +556,8 @@ def threads_figure(runs: dict[str, ThreadRun], text_of, control, eos_ids, title:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("forward pass", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(f"{name}: {len(run.gen.token_ids)} tokens in {run.gen.forward_passes} forward passes, "
-                     f"{run.gen.threads} threads ({run.gen.guesses_accepted} accepted guesses)", fontsize=9, loc="left")
+        ax.set_title(f"{name}: {len(run.gen.token_ids)} tokens in {run.gen.counts.forward_passes} forward passes, "
+                     f"{run.gen.threads} threads ({run.gen.counts.guesses_accepted} accepted guesses)", fontsize=9, loc="left")
     legend = [Patch(fc=FILLS["bonus"], ec=COLOURS["bonus"], label="the thread took the model's one token"),
               Patch(fc=FILLS["accepted"], ec=COLOURS["accepted"], label="... and accepted guesses (tokens taken)"),
               plt.Line2D([], [], marker="v", color=COLOURS["soft"], lw=0, label="it wrote [Fork]: a child starts"),
@@ -701,7 +715,7 @@ def draw_threads(args) -> list[Path]:
         verdicts = []
         with torch.inference_mode():
             gen = decoder.generate(ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                                   watch=lambda *verdict: verdicts.append(verdict))
+                                   watch=verdicts.append)
         runs[name] = ThreadRun(gen, verdicts)
     fig = threads_figure(runs, token_texts(tokenizer), engine.control, tokenizer.eos_ids,
                          f"APAR's generation threads, greedy\nprompt: {visible(short(args.prompt))}")

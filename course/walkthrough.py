@@ -21,11 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 import torch  # noqa: E402
 
 from convert import default_model_dir  # noqa: E402
-from decode import Pass, prefill, score_tree  # noqa: E402
-from drafters import Request  # noqa: E402
+from decode import Answer, prefill, score_tree  # noqa: E402
+from drafters import Pass, Request  # noqa: E402
 from kv_cache import KVCache  # noqa: E402
 from methods import METHODS, build_drafter, default_options  # noqa: E402
 from model import load_checkpoint  # noqa: E402
+from sampling import Sampling  # noqa: E402
 from show_tree import draw_pass, visible  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from verify import verify_greedy  # noqa: E402
@@ -59,12 +60,12 @@ def one_step(number: int, tree, cache):
     print(f"\n1. the tree: {len(tree)} nodes (node: token, parent, depth)")
     for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
         print(f"   {node:2}: {text(token):16} parent {parent:2}  depth {tree.depths[node]}")
-    if any(tree.soft_counts):
-        print(f"   and {len(tree.soft_slots())} soft-token inputs (PPD), after the nodes")
+    if tree.extra:
+        print(f"   and {len(tree.extra)} extra inputs (PPD's soft tokens), after the nodes")
 
-    mask = tree.attention_mask(start)  # 2. every row sees the cache, then its ancestors
+    mask = tree.input_mask(start)  # 2. every row sees the cache, then its ancestors
     print(f"\n2. the mask over the pass's inputs (each row also sees all {start} cached tokens); "
-          f"positions {tree.positions(start).tolist()}")
+          f"positions {tree.input_positions(start).tolist()}")
     for row in mask[:, start:]:
         print("   " + " ".join("#" if seen else "." for seen in row.tolist()))
 
@@ -89,7 +90,8 @@ def one_step(number: int, tree, cache):
                    else f"!= the model's choice {text(choices[parent])} after node {parent}: rejected"
                    if token != choices[parent] else "right too, but another branch went deeper")
             print(f"   node {node} {text(token)} {why}")
-    print(draw_pass(number, Pass(tree, start, choices, verdict, verdict.tokens), tokenizer.decode))
+    done = Pass(tree, start, verdict.path, verdict.tokens, hidden, logits, verdict)
+    print(draw_pass(number, done, tokenizer.decode))
 
     print(f"\n5. the cache holds {cache.length} slots: {start} cached + {cache.length - start} of this pass")
     path_keys = cache.keys[0, 0, 0, [start + n for n in verdict.path]].clone()  # layer 0, K/V head 0
@@ -97,25 +99,22 @@ def one_step(number: int, tree, cache):
     moved = torch.equal(cache.keys[0, 0, 0, start:cache.length], path_keys)
     print(f"   after keep(start={start}, path={verdict.path}): {cache.length} slots; the path's keys now "
           f"sit in slots {start}..{cache.length - 1}: {moved}")
-    return verdict, hidden, logits
+    return done
 
 
 def walk(method_name: str, max_passes: int = 16) -> None:
     drafter = build_drafter(METHODS[method_name], default_options(), model, tokenizer)
-    cache = KVCache.for_model(model, capacity=len(prompt_ids) + 2 * max_passes * (1 + drafter.max_draft_tokens))
+    cache = KVCache.for_model(model, capacity=len(prompt_ids) + 2 * max_passes * (1 + drafter.max_extra_inputs))
     drafter.begin(Request(prompt_ids))
-    hidden, logits = prefill(model, cache, prompt_ids, drafter)
-    root = int(logits[0].argmax())
-    drafter.observe(hidden[0], logits[1:])
-    drafter.extend([root])
-    print(f"\n=============== {method_name}: the prefill chose {text(root)}; {cache.length} tokens cached")
+    done = prefill(model, cache, drafter.prefill_tree(prompt_ids), Sampling(), None, Answer(10**6, 10**6, set()))
+    drafter.after_pass(done)
+    print(f"\n=============== {method_name}: the prefill chose {text(done.emitted[0])}; {cache.length} tokens cached")
     for number in range(1, max_passes + 1):
         tree = drafter.propose()
         with contextlib.redirect_stdout(io.StringIO()) as stages:  # shown if the pass accepts a guess
-            verdict, hidden, logits = one_step(number, tree, cache)
-        last = verdict.path[-1]
-        drafter.observe(hidden[last], logits[tree.soft_rows(last)])
-        drafter.extend(verdict.tokens)
+            done = one_step(number, tree, cache)
+        drafter.after_pass(done)
+        verdict = done.verdict
         if verdict.accepted_guesses or number == max_passes:
             print(f"\npass {number}, root {text(tree.tokens[0])}:" + stages.getvalue())
             return

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import sys
+import unittest.mock
 from collections import Counter
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import apar  # noqa: E402
 import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
 from medusa import MedusaHeads  # noqa: E402
 from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
-from drafters import Drafter  # noqa: E402
+from drafters import Drafter, Pass  # noqa: E402
 from tree import Tree  # noqa: E402
-from verify import Chance, verify_speculative  # noqa: E402
+from verify import Chance, Verdict, verify_speculative  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=500)
@@ -262,13 +264,32 @@ def assert_decodes_as_naive_greedy(generate_function, model, prompt, max_new_tok
                              f"at new token {first}: {got} vs {expected}")
 
 
+def scripted_apar(choose, *args, **options):
+    """generate_apar with each thread's verifier replaced by `choose(logits [V], thread) -> token`
+    (threads that guess nothing), to script forks and ends."""
+    def verifier(control, sampling, generator):
+        def judge(tree, logits, thread):
+            assert tree.draft_size == 0, "scripted threads guess nothing"
+            return Verdict.of(tree, [0], choose(logits[0], thread))
+        return judge
+    with unittest.mock.patch.object(apar, "verifier", verifier):
+        return apar.generate_apar(*args, **options)
+
+
+
+def tell(drafter: Drafter, tokens: list[int]) -> None:
+    """Tell `drafter` what the loop tells it after a pass that guessed nothing and emitted `tokens`."""
+    root = Tree.chain(drafter.history[-1], [])
+    drafter.after_pass(Pass(root, len(drafter.history) - 1, [0], list(tokens), torch.zeros(1, 1), torch.zeros(1, 1)))
+
+
 class WrongBranchFirst(Drafter):
     """Guesses a wrong token first and the right continuation (vanilla's answer) in a second branch, so
     the accepted path is never the tree's first nodes: the loop must keep exactly the path's K/V."""
 
     def __init__(self, answer: list[int], vocab: int):
         self.answer, self.vocab = answer, vocab
-        self.max_draft_tokens = 4
+        self.max_extra_inputs = 4
 
     def propose(self):
         done = len(self.history) - self.prompt_length
@@ -298,7 +319,7 @@ def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
             vanilla = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids)
             guessed = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids, drafter=drafter)
         assert guessed.token_ids == vanilla.token_ids
-        assert guessed.draft_tokens_accepted > 0
+        assert guessed.counts.guesses_accepted > 0
 
 
 def self_distilled_record(model, seed, vocab):

@@ -16,7 +16,8 @@ from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
 from apar_finetune import POINT, repetitive
 from cli import main
 from drafters import Drafter, NGramDrafter, TrieDrafter
-from helpers import cheap, chi_square_p_value, path_to, random_model, tiny_hf_config, tiny_model
+from helpers import cheap, chi_square_p_value, path_to, random_model, scripted_apar, tiny_hf_config, tiny_model
+from meter import Counts
 from model import causal_mask
 from sampling import Sampling, target_probs
 from tree import Tree
@@ -62,7 +63,7 @@ def test_every_thread_sees_exactly_its_own_sequence(seed, script_seed, prompt_le
     model = model_of(seed)
     prompt = random.Random(script_seed).choices(range(7, VOCAB), k=prompt_length)
     script = Script(script_seed)
-    gen = generate_apar(model, prompt, CONTROL, max_new_tokens=40, eos_ids={EOS}, choose=script)
+    gen = scripted_apar(script, model, prompt, CONTROL, max_new_tokens=40, eos_ids={EOS})
     assert len(script.seen) == gen.tokens_sampled
     for tokens, logits in script.seen:
         torch.testing.assert_close(logits, alone(model, tokens), rtol=0, atol=1e-9)
@@ -79,7 +80,7 @@ def test_a_fork_starts_a_child_with_child_token_and_shared_prefix():
         seen.append(list(thread.tokens))
         return next(child_says if CONTROL.child in thread.tokens else root_says)
 
-    gen = generate_apar(model, [7, 8], CONTROL, max_new_tokens=20, eos_ids={EOS}, choose=choose)
+    gen = scripted_apar(choose, model, [7, 8], CONTROL, max_new_tokens=20, eos_ids={EOS})
     assert gen.threads == 2 and gen.stop_reason == "eos"
     child_sequences = [s for s in seen if CONTROL.child in s]
     assert child_sequences[0] == [7, 8, 10, CONTROL.fork, CONTROL.child]
@@ -121,8 +122,8 @@ def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
     model = model_of(1)
     plain_step, observed, observed_cache = apar.step, [], []
 
-    def checked_step(model, cache, live, trees, meter):
-        logits = plain_step(model, cache, live, trees, meter)
+    def checked_step(model, cache, live, trees):
+        logits = plain_step(model, cache, live, trees)
         needed = set().union(*(thread.slots for thread in live))
         observed.append((cache.in_use, len(needed)))
         observed_cache[:] = [cache]
@@ -137,7 +138,7 @@ def test_finished_threads_give_back_their_slots_for_reuse(monkeypatch):
         return CONTROL.fork if len(thread.tokens) % 2 == 0 else 10
 
     prompt = [7, 8, 9]
-    gen = generate_apar(model, prompt, CONTROL, max_new_tokens=30, eos_ids={EOS}, choose=choose)
+    gen = scripted_apar(choose, model, prompt, CONTROL, max_new_tokens=30, eos_ids={EOS})
     cache = observed_cache[0]
     assert all(in_use == needed for in_use, needed in observed)
     assert gen.max_cached_tokens == max(in_use for in_use, _ in observed)
@@ -155,8 +156,7 @@ def test_slots_are_all_free_when_every_thread_ended(monkeypatch):
         return plain_allocate(cache, count)
 
     monkeypatch.setattr(SlotCache, "allocate", allocate)
-    gen = generate_apar(model, [9, 10], CONTROL, max_new_tokens=400, eos_ids={EOS},
-                        choose=Script(7, fork=0.15, stop=0.4))
+    gen = scripted_apar(Script(7, fork=0.15, stop=0.4), model, [9, 10], CONTROL, max_new_tokens=400, eos_ids={EOS})
     assert gen.stop_reason == "eos" and gen.threads > 2
     assert caches[-1].in_use == 0
 
@@ -171,7 +171,7 @@ def test_the_default_chooser_never_writes_child_and_respects_the_budget():
 
 
 def test_apar_statistics_compare_with_the_flattened_answer():
-    gen = apar.AparGeneration(token_ids=list(range(10)), stop_reason="eos", threads=3, forward_passes=5,
+    gen = apar.AparGeneration(token_ids=list(range(10)), stop_reason="eos", threads=3, counts=Counts(forward_passes=5),
                               tokens_sampled=13, max_cached_tokens=14, attended_tokens=60, tokens_fed=12,
                               decode_seconds=1.0)
     stats = apar.statistics(gen, prompt_length=6)
@@ -197,14 +197,14 @@ class Scattershot(Drafter):
     """Random trees over [Fork], [Child], EOS and a few ordinary tokens: mostly wrong, but where the
     model's choice is a control token or EOS, such guesses are accepted in the middle of a path."""
 
-    max_draft_tokens = 6
+    max_extra_inputs = 6
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
     def propose(self):
         tokens, parents = [self.history[-1]], [-1]
-        for _ in range(self.rng.randint(0, self.max_draft_tokens)):
+        for _ in range(self.rng.randint(0, self.max_extra_inputs)):
             parents.append(self.rng.randrange(len(tokens)))
             tokens.append(self.rng.choice([CONTROL.fork, CONTROL.child, EOS, 7, 8, 9]))
         return Tree(tokens, parents)
@@ -228,8 +228,8 @@ def test_guesses_change_the_passes_not_the_answer(seed, prompt, guesser, max_gue
     if plain.stop_reason == "eos":
         assert guessed.token_ids == plain.token_ids and guessed.threads == plain.threads
         assert guessed.tokens_sampled == plain.tokens_sampled
-        assert guessed.forward_passes <= plain.forward_passes
-    assert guessed.guesses_accepted <= guessed.guesses_proposed
+        assert guessed.counts.forward_passes <= plain.counts.forward_passes
+    assert guessed.counts.guesses_accepted <= guessed.counts.guesses_proposed
 
 
 def test_a_guesser_saves_passes_on_threads_that_fork(monkeypatch):
@@ -253,8 +253,8 @@ def test_a_guesser_saves_passes_on_threads_that_fork(monkeypatch):
     guessed = generate_apar(model, [7, 8, 9], CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=8,
                             guesser=lambda: NGramDrafter(3, 4))
     assert plain.stop_reason == "eos" and plain.threads > 3 and guessed.token_ids == plain.token_ids
-    assert guessed.guesses_accepted > 0 and sum(accepted_forks) > 0
-    assert guessed.forward_passes < plain.forward_passes
+    assert guessed.counts.guesses_accepted > 0 and sum(accepted_forks) > 0
+    assert guessed.counts.forward_passes < plain.counts.forward_passes
     assert max(guessed.thread_tokens_per_pass) > 1 and caches[-1].in_use == 0
 
 
@@ -266,12 +266,12 @@ def test_every_guess_sees_exactly_its_threads_sequence_and_its_own_ancestors(see
     model = forking_model(seed)
     plain_step, rows_seen = apar.step, []
 
-    def recording_step(model, cache, live, trees, meter):
+    def recording_step(model, cache, live, trees):
         sequences = [[*thread.tokens[:-1], *(tree.tokens[n] for n in path_to(tree, node))]
                      for thread, tree in zip(live, trees) for node in range(len(tree))]
-        logits, slots = plain_step(model, cache, live, trees, meter)
-        rows_seen.extend(zip(sequences, torch.cat(logits)))
-        return logits, slots
+        fed, attended = plain_step(model, cache, live, trees)
+        rows_seen.extend(zip(sequences, torch.cat([logits for _, logits, _ in fed])))
+        return fed, attended
 
     apar.step = recording_step  # (not monkeypatch: hypothesis runs many examples per fixture)
     try:
@@ -288,7 +288,7 @@ class Contenders(Drafter):
     choice, beside its second choice. Under exact sampling each is accepted only sometimes, and a lossy
     rule (accepting likely guesses outright, say) would show in the distribution."""
 
-    max_draft_tokens = 3
+    max_extra_inputs = 3
 
     def __init__(self, model):
         self.model = model

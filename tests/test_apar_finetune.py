@@ -9,9 +9,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from apar import ControlTokens, generate_apar
-from apar_finetune import (IGNORE, AparAdapter, apar_logits, apply_adapter, before_the_loop, line_key, repetitive,
+from apar import apply_adapter
+from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)
-from helpers import cheap, random_model, tiny_hf_config, tiny_model
+from helpers import cheap, random_model, scripted_apar, tiny_hf_config, tiny_model
 
 EOS = 2
 CONTROL = ControlTokens(fork=5, child=6)
@@ -259,7 +260,7 @@ def test_flatten_then_restore_gives_the_answer_back_byte_for_byte(default_tokeni
     example = training_example([1, 2, 3], tok.encode(answer) + [eos], tok, control)
     script = scripted_threads(example)
     model = tiny_model(0, vocab=49152, max_positions=1024, layers=1)
-    gen = generate_apar(model, [1, 2, 3], control, max_new_tokens=len(example.tree), eos_ids={eos},
-                        choose=lambda logits, thread: script[tuple(thread.tokens)])
+    gen = scripted_apar(lambda logits, thread: script[tuple(thread.tokens)], model, [1, 2, 3], control,
+                        max_new_tokens=len(example.tree), eos_ids={eos})
     assert gen.stop_reason == "eos" and gen.threads == 1 + len(shape.points)
     assert tok.decode(gen.token_ids) == answer

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
-from cost_aware import CostAware, Latency
+from cost_aware import CostAware, Costs, Latency
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
@@ -48,7 +48,7 @@ class Fixed(Drafter):
 
     def __init__(self, chain, key):
         self.chain, self.key = chain, key
-        self.max_draft_tokens = len(chain)
+        self.max_extra_inputs = len(chain)
 
     def propose(self):
         return Tree.chain(self.history[-1], self.chain, evidence=[(((self.key,), 0.5),)] * len(self.chain))
@@ -77,9 +77,10 @@ def test_soft_tokens_ride_on_the_root_only_where_they_pay():
 def test_the_combined_drafter_decodes_as_vanilla_greedy(seed, prompt, max_new_tokens, with_ppd, cost_aware):
     model = tiny_model(seed)
     soft = SoftTokensOnRoot(random_ppd(model, seed)) if with_ppd else None
-    drafter = CombinedDrafter([NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)], soft)
+    costs = Costs(Latency({1: 1.0, 4: 1.3, 16: 2.0})) if cost_aware else None
+    drafter = CombinedDrafter([NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)], soft, costs)
     if cost_aware:
-        drafter = CostAware(drafter, Latency({1: 1.0, 4: 1.3, 16: 2.0}))
+        drafter = CostAware(drafter, costs)
     assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, drafter)
 
 
@@ -114,13 +115,11 @@ def test_soft_tokens_ride_along_only_when_their_next_pass_pays():
     soft = SoftTokensOnRoot(random_ppd(model))
     combined = CombinedDrafter([Fixed([5], "x")], soft)
     combined.begin(type("Request", (), {"prompt_ids": [1, 2]})())
-    tree = combined.propose()  # root (+ 6 soft-token inputs) -> 5, p(5) = 0.5
-    assert tree.soft_counts[0] == 3
+    carried = combined.propose()  # root (+ 6 soft-token inputs) -> 5, p(5) = 0.5
+    assert len(carried.extra_rows(0)) == 6 and carried.input_count == 8
+    bare = carried.with_extra(None)
     expected, ends_at_root = 1.5, 0.5
     for soft_cost, kept in [(0.0, True), (0.01, True), (5.0, False)]:
         latency = Latency({1: 1.0, 2: 1.0, 8: 1.0 + soft_cost})
-        drafter = CostAware(combined, latency)
-        drafter.begin(type("Request", (), {"prompt_ids": [1, 2]})())
-        chosen = drafter.soft_tokens_if_they_pay(tree, soft)
-        assert (chosen.soft_counts[0] > 0) == kept
+        assert Costs(latency).extra_inputs_pay(bare, carried, soft.gain) == kept
         assert kept == ((expected + ends_at_root * soft.gain) / latency(8) > expected / latency(2))

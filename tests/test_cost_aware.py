@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import CostAware, Latency, best_draft_length, best_subtree, reach
+from cost_aware import CostAware, Costs, Latency, best_draft_length, best_subtree, reach
 from decode import generate
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, Request, TrieDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
 from medusa import MedusaDrafter, MedusaHeads
 from tree import Tree
@@ -135,7 +135,7 @@ class ScriptedGuesser(Drafter):
     def __init__(self, answer, vocab, rate, seed=0):
         self.answer, self.vocab, self.rate = answer, vocab, rate
         self.rng = random.Random(seed)
-        self.max_draft_tokens = 4
+        self.max_extra_inputs = 4
 
     def begin(self, request):
         super().begin(request)
@@ -155,10 +155,10 @@ def test_estimates_converge_to_the_acceptance_rate(rate):
     sent and judged."""
     model = tiny_model(1, vocab=16, max_positions=1024)
     answer = naive_greedy(model, [3, 1], 600)
-    drafter = CostAware(ScriptedGuesser(answer, 16, rate), Latency.flat())
+    drafter = CostAware(ScriptedGuesser(answer, 16, rate), Costs(Latency.flat()))
     got = generate(model, [3, 1], max_new_tokens=600, eos_ids=set(), drafter=drafter).token_ids
     assert got == answer
-    estimates = drafter.estimates
+    estimates = drafter.costs.estimates
     assert estimates.judged[("scripted",)] > 300
     assert estimates.probability(("scripted",), 0.05) == pytest.approx(rate, abs=0.06)
 
@@ -168,11 +168,12 @@ def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
                 evidence=[(), ((("a",), 0.5),), ((("b",), 0.5),), ((("c",), 0.5),), ((("d",), 0.5),)])
     logits = torch.zeros(5, 8)
     logits[0, 1] = logits[1, 5] = 1.0  # the model takes node 1, then 5: node 2 rejected, 3 rejected, 4 unreached
-    drafter = CostAware(Drafter(), Latency.flat())
+    drafter = CostAware(Drafter(), Costs(Latency.flat()))
     drafter.begin(Request([0]))
-    drafter.verified(tree, verify_greedy(tree, logits))
-    assert dict(drafter.estimates.judged) == {("a",): 1, ("b",): 1, ("c",): 1}
-    assert dict(drafter.estimates.accepted) == {("a",): 1}
+    verdict = verify_greedy(tree, logits)
+    drafter.after_pass(Pass(tree, 0, verdict.path, verdict.tokens, torch.zeros(5, 1), logits, verdict))
+    assert dict(drafter.costs.estimates.judged) == {("a",): 1, ("b",): 1, ("c",): 1}
+    assert dict(drafter.costs.estimates.accepted) == {("a",): 1}
 
 
 # ---- still lossless ------------------------------------------------------------------------------
@@ -180,41 +181,44 @@ def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
 @given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24), latencies)
 def test_cost_aware_drafters_decode_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
     model = tiny_model(seed)
-    for drafter in [NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3),
-                    DraftModelDrafter(model.first_layers(1), gamma=3, step_cost=0.1)]:
-        assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(drafter, latency))
+    for make in [lambda costs: NGramDrafter(n=3, k=4), lambda costs: TrieDrafter(decoding_length=6, branch_length=3),
+                 lambda costs: DraftModelDrafter(model.first_layers(1), gamma=3, step_cost=0.1, costs=costs)]:
+        costs = Costs(latency)
+        assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(make(costs), costs))
 
 
 def test_siblings_estimates_never_add_up_to_more_than_one():
     """The model takes at most one child of a node: two sources' different guesses are scaled down
     together when their estimates would add up past 1."""
     tree = Tree([0, 1, 2, 3], [-1, 0, 0, 1], evidence=[(), ((("a",), 0.8),), ((("b",), 0.6),), ((("c",), 0.9),)])
-    drafter = CostAware(Drafter(), Latency.flat())
+    drafter = CostAware(Drafter(), Costs(Latency.flat()))
     drafter.begin(Request([0]))
-    assert drafter.estimates_of(tree) == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.9])
+    assert drafter.costs.estimates_of(tree) == pytest.approx([1.0, 0.8 / 1.4, 0.6 / 1.4, 0.9])
 
 
-def medusa_drafter(model, accuracy, seed=0):
+def medusa_drafter(model, accuracy, seed=0, costs=None):
     heads = MedusaHeads(model.config.hidden_size, len(accuracy)).double()
     torch.manual_seed(seed)
     for parameter in heads.parameters():
         parameter.data += 0.1 * torch.randn_like(parameter)
-    return MedusaDrafter(model, heads, accuracy, rows=6)
+    return MedusaDrafter(model, heads, accuracy, inputs=6, costs=costs)
 
 
 @given(st.integers(0, 3), st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 24), latencies)
 def test_cost_aware_medusa_decodes_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
     model = tiny_model(seed)
-    drafter = CostAware(medusa_drafter(model, [[0.4, 0.2], [0.3, 0.1]], seed), latency)
+    costs = Costs(latency)
+    drafter = CostAware(medusa_drafter(model, [[0.4, 0.2], [0.3, 0.1]], seed, costs), costs)
     assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, drafter)
 
 
 def test_medusa_heads_do_not_run_when_no_guess_of_theirs_could_pay():
     """Heads whose guesses are never right (accuracy 0) are run once, to time them, then only on probes."""
     model = tiny_model(0)
-    drafter = CostAware(medusa_drafter(model, [[0.0, 0.0], [0.0, 0.0]]), Latency({1: 1.0, 2: 1.5}))
+    costs = Costs(Latency({1: 1.0, 2: 1.5}))
+    drafter = CostAware(medusa_drafter(model, [[0.0, 0.0], [0.0, 0.0]], costs=costs), costs)
     runs = []
     heads = drafter.drafter.heads
     heads.register_forward_hook(lambda *_: runs.append(1))
     generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter)
-    assert 1 <= len(runs) <= 1 + 60 // CostAware.PROBE_EVERY
+    assert 1 <= len(runs) <= 1 + 60 // Costs.PROBE_EVERY

@@ -10,7 +10,7 @@ import torch
 
 from apar import ControlTokens, generate_apar
 from cli import main
-from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, tiny_artifacts,
+from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, scripted_apar, tiny_artifacts,
                       tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
@@ -77,8 +77,8 @@ def test_apar_threads_compute_on_the_gpu_what_they_compute_on_the_cpu():
             return 2 if len(own) >= 3 else 7 + len(script[device]) % 8
         return choose
 
-    gens = {device: generate_apar(model_on(device), [8, 9, 10], control, max_new_tokens=30, eos_ids={2},
-                                  choose=chooser(device)) for device in ["cpu", "cuda"]}
+    gens = {device: scripted_apar(chooser(device), model_on(device), [8, 9, 10], control, max_new_tokens=30,
+                                  eos_ids={2}) for device in ["cpu", "cuda"]}
     assert gens["cuda"].token_ids == gens["cpu"].token_ids and gens["cuda"].threads == gens["cpu"].threads > 1
     for on_cpu, on_gpu in zip(script["cpu"], script["cuda"], strict=True):
         torch.testing.assert_close(on_gpu, on_cpu, rtol=0, atol=1e-9)

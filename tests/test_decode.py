@@ -27,7 +27,7 @@ def test_stops_exactly_at_max_new_tokens():
     for limit in (1, 2, 7):
         gen = generate(model, [3, 4, 5], max_new_tokens=limit, eos_ids=set())
         assert len(gen.token_ids) == limit and gen.stop_reason == "max_new_tokens"
-        assert gen.forward_passes == limit  # the prefill pass yields the first token
+        assert gen.counts.forward_passes == limit  # the prefill pass yields the first token
 
 
 def test_stops_exactly_at_the_first_eos():
@@ -67,13 +67,13 @@ def test_sampling_is_reproducible_with_a_seed():
 class RandomGuesses(Drafter):
     """Trees of random shape and random tokens: almost every guess is wrong."""
 
-    max_draft_tokens = 12
+    max_extra_inputs = 12
 
     def __init__(self, seed):
         self.rng = random.Random(seed)
 
     def propose(self):
-        size = self.rng.randrange(self.max_draft_tokens + 1)
+        size = self.rng.randrange(self.max_extra_inputs + 1)
         parents = [-1] + [self.rng.randrange(node) for node in range(1, size + 1)]
         return Tree([self.history[-1]] + [self.rng.randrange(VOCAB) for _ in range(size)], parents)
 
@@ -82,7 +82,7 @@ class CorruptedOracle(Drafter):
     """Knows the true continuation; guesses a random stretch of it with random corruptions, plus
     random side branches, so every acceptance length (0 to the whole guess) occurs."""
 
-    max_draft_tokens = 14
+    max_extra_inputs = 14
 
     def __init__(self, seed, truth):
         self.rng, self.truth = random.Random(seed), truth
@@ -96,7 +96,7 @@ class CorruptedOracle(Drafter):
         guess = self.truth[done:done + self.rng.randrange(9)]
         guess = [self.rng.randrange(VOCAB) if self.rng.random() < 0.15 else t for t in guess]
         tokens, parents = [self.history[-1], *guess], list(range(-1, len(guess)))
-        while len(tokens) <= self.max_draft_tokens and self.rng.random() < 0.5:
+        while len(tokens) <= self.max_extra_inputs and self.rng.random() < 0.5:
             parents.append(self.rng.randrange(len(tokens)))
             tokens.append(self.rng.randrange(VOCAB))
         return Tree(tokens, parents)
@@ -126,10 +126,10 @@ def test_every_drafter_equals_vanilla_greedy(model_seed, prompt, max_new_tokens,
         gen = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids, drafter=drafter)
         assert gen.token_ids == vanilla.token_ids, name
         assert gen.stop_reason == vanilla.stop_reason, name
-        assert gen.forward_passes <= vanilla.forward_passes, name
+        assert gen.counts.forward_passes <= vanilla.counts.forward_passes, name
         # each pass adds its accepted guesses and a bonus token (the last pass's may be cut off)
-        assert gen.draft_tokens_accepted == sum(gen.from_draft)
-        assert 0 <= gen.draft_tokens_accepted - (len(gen.token_ids) - gen.forward_passes) <= 1
+        assert gen.counts.guesses_accepted == sum(gen.from_draft)
+        assert 0 <= gen.counts.guesses_accepted - (len(gen.token_ids) - gen.counts.forward_passes) <= 1
 
 
 def test_guesses_stop_at_the_context_limit_like_vanilla():
@@ -153,7 +153,7 @@ def test_a_perfect_guesser_needs_few_passes():
 
     gen = generate(model, [4, 5], max_new_tokens=30, eos_ids=set(), drafter=Perfect(0, vanilla.token_ids))
     assert gen.token_ids == vanilla.token_ids
-    assert gen.forward_passes == 1 + 3  # prefill, then 10 tokens (9 guesses + bonus) per pass: 1+10+10+9
+    assert gen.counts.forward_passes == 1 + 3  # prefill, then 10 tokens (9 guesses + bonus) per pass: 1+10+10+9
 
 
 def test_guesses_accepted_past_the_end_of_sequence_are_not_counted():
@@ -171,8 +171,8 @@ def test_guesses_accepted_past_the_end_of_sequence_are_not_counted():
             return Tree.chain(self.history[-1], free[done:done + 9])
 
     gen = generate(model, [4, 5], max_new_tokens=30, eos_ids={eos}, drafter=Perfect(0, free))
-    assert gen.token_ids == vanilla.token_ids == free[:first + 1] and gen.forward_passes == 2
-    assert gen.draft_tokens_accepted == sum(gen.from_draft) == len(gen.token_ids) - 1
+    assert gen.token_ids == vanilla.token_ids == free[:first + 1] and gen.counts.forward_passes == 2
+    assert gen.counts.guesses_accepted == sum(gen.from_draft) == len(gen.token_ids) - 1
 
 
 # ---- the real default model --------------------------------------------------------------------
@@ -196,6 +196,6 @@ def test_default_model_methods_equal_vanilla(default_model, default_tokenizer, m
         vanilla = generate(default_model, prompt, **kwargs)
         gen = generate(default_model, prompt, drafter=drafter, **kwargs)
         assert gen.token_ids == vanilla.token_ids, text
-        total_passes += gen.forward_passes
+        total_passes += gen.counts.forward_passes
         total_tokens += len(gen.token_ids)
     assert total_passes < total_tokens  # some guesses were accepted

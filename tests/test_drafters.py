@@ -15,10 +15,10 @@ tokens = st.lists(st.integers(0, 5), max_size=60)
 def test_anpd_drafts_a_chain_from_the_longest_match():
     drafter = NGramDrafter(n=3, k=4)
     drafter.begin(Request([1, 2, 3, 4, 1, 2, 5, 9]))
-    drafter.extend([1, 2])
+    drafter.learn([1, 2])
     # after (1, 2) the table has seen 3 and 5 once each: the latest, 5, wins; then 9, then (9,)->1
     assert drafter.propose().tokens == [2, 5, 9, 1, 2]
-    drafter.extend([7])  # nothing ever followed 7: no guess
+    drafter.learn([7])  # nothing ever followed 7: no guess
     assert drafter.propose().tokens == [7]
 
 

@@ -39,7 +39,8 @@ def test_cached_decoding_equals_full_forward(config, seed, data):
 
     def feed_chunk(tokens):
         start = cache.length
-        got = model(torch.tensor([tokens]), positions=torch.arange(start, start + len(tokens)), cache=cache)[0][0]
+        got = model(torch.tensor([tokens]), positions=torch.arange(start, start + len(tokens)), cache=cache,
+                    slots=cache.claim(len(tokens)))[0][0]
         sequence.extend(tokens)
         assert torch.allclose(got, full_logits(model, sequence)[start:], atol=1e-10, rtol=0)
 
@@ -50,7 +51,8 @@ def test_cached_decoding_equals_full_forward(config, seed, data):
         mask[:, start:] = False
         for i in range(count):
             mask[i, [start + a for a in ancestors(parents, i)]] = True
-        got = model(torch.tensor([tokens]), positions=torch.tensor(depth) + start, cache=cache, mask=mask)[0][0]
+        got = model(torch.tensor([tokens]), positions=torch.tensor(depth) + start, cache=cache,
+                    slots=cache.claim(count), mask=mask)[0][0]
         for i in range(count):
             path_tokens = [tokens[a] for a in ancestors(parents, i)]
             assert torch.allclose(got[i], full_logits(model, sequence + path_tokens)[-1], atol=1e-10, rtol=0)
@@ -78,10 +80,10 @@ def test_cached_decoding_equals_full_forward(config, seed, data):
 
 def small_cache():
     cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=8)
-    cache.reserve(6)
+    slots = cache.claim(6)
     for layer in range(2):
-        slots = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 1, 6, 2) + 10 * layer
-        cache.write(layer, slots, -slots)
+        values = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 1, 6, 2) + 10 * layer
+        cache.write(layer, slots, values, -values)
     return cache
 
 
@@ -102,9 +104,19 @@ def test_cache_refuses_bad_operations():
     with pytest.raises(ValueError):
         cache.truncate(7)
     with pytest.raises(RuntimeError, match="full"):
-        cache.reserve(3)
+        cache.claim(3)
 
 
 def test_cache_reports_its_memory():
     cache = small_cache()
     assert cache.memory_bytes() == 2 * 2 * 1 * 1 * 8 * 2 * 4  # keys+values, layers, B, K, capacity, E, fp32
+
+
+def test_a_write_goes_to_the_slots_it_is_given():
+    """Scattered slots (APAR's pool) are written where they say; attention reads the first `length`."""
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=1, capacity=8)
+    cache.length = 6
+    keys, values = cache.write(0, torch.tensor([4, 1]), torch.tensor([7.0, 8.0]).view(1, 1, 2, 1),
+                               torch.tensor([-7.0, -8.0]).view(1, 1, 2, 1))
+    assert keys.shape == (1, 1, 6, 1) and keys[0, 0, :, 0].tolist() == [0, 8, 0, 0, 7, 0]
+    assert values[0, 0, :, 0].tolist() == [0, -8, 0, 0, -7, 0]

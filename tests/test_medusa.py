@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 import artifacts
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                       self_distilled_record, tiny_model)
-from medusa import MedusaDrafter, MedusaHeads, answer_features, load_drafter, medusa_accuracy, medusa_loss
+from medusa import MedusaDrafter, MedusaHeads, load_drafter, medusa_accuracy, medusa_loss
+from train_prompt import answer_features
 
 VOCAB = 16
 

@@ -27,9 +27,10 @@ from ppd import (
     initial_embeddings,
     insertion_layout,
     load_drafter,
-    ppd_loss,
+    soft_layout,
 )
-from tree import best_sparse_tree
+from train_prompt import ppd_record_loss
+from tree import Tree, best_sparse_tree
 
 VOCAB = 16
 
@@ -53,9 +54,9 @@ def test_dynamic_tree_keeps_its_budget(accuracy, rows, m, ensembles, dynamic):
             best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic)
         return
     tree = best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic)
-    assert tree.rows <= rows
+    assert tree.inputs <= rows
     for k, state in tree.states.items():
-        assert 1 + len(state.spec) + sum(state.soft_counts) * ensembles <= tree.rows
+        assert 1 + len(state.spec) + sum(state.soft_counts) * ensembles <= tree.inputs
         assert all(1 <= c <= m for c in state.soft_counts)
         assert all(len(path) <= k for path in state.spec)  # k soft tokens guess k distances
         assert dynamic or state.soft_counts == [m] * (len(state.spec) + 1)
@@ -148,13 +149,12 @@ def test_ppd_training_lowers_the_loss():
 
     def loss_over_all():
         with torch.no_grad():
-            return sum(ppd_loss(model, soft_tokens, r, 40, torch.Generator().manual_seed(0))
+            return sum(ppd_record_loss(model, soft_tokens, r, 40, torch.Generator().manual_seed(0))
                        for r in records).item()
 
     before = loss_over_all()
     for step in range(40):
-        loss = ppd_loss(model, soft_tokens, records[step % 4], 16,
-                                     torch.Generator().manual_seed(step))
+        loss = ppd_record_loss(model, soft_tokens, records[step % 4], 16, torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -193,3 +193,24 @@ def test_artifacts_round_trip_and_refuse_another_model(tmp_path):
     with pytest.raises(UserError, match="train_prompt.py"):
         artifacts.load(tmp_path / "missing", "ppd", model)
 
+
+
+def test_the_soft_layout_is_the_ensemble_mask_by_hand():
+    """Root r with one child c; r carries 2 soft tokens, c carries 1, each in 2 EPT groups.
+    Rows: r, c, then (r,d1,g0) (r,d1,g1) (r,d2,g0) (r,d2,g1) (c,d1,g0) (c,d1,g1)."""
+    tree = Tree([7, 8], [-1, 0]).with_extra(soft_layout([2, 1], ensembles=2))
+    assert tree.input_positions(10).tolist() == [10, 11, 11, 11, 12, 12, 12, 12]
+    expected = torch.tensor([
+        # r  c  r10 r11 r20 r21 c10 c11
+        [1, 0, 0, 0, 0, 0, 0, 0],  # r
+        [1, 1, 0, 0, 0, 0, 0, 0],  # c: nodes never see soft tokens
+        [1, 0, 1, 0, 0, 0, 0, 0],  # r's distance-1 EPT, group 0
+        [1, 0, 0, 1, 0, 0, 0, 0],  # group 1: not group 0's
+        [1, 0, 1, 0, 1, 0, 0, 0],  # distance 2, group 0: sees distance 1 of group 0 only
+        [1, 0, 0, 1, 0, 1, 0, 0],  # distance 2, group 1
+        [1, 1, 0, 0, 0, 0, 1, 0],  # c's soft token: c's ancestors, not r's soft tokens
+        [1, 1, 0, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.input_mask(0), expected)
+    assert tree.input_mask(3).shape == (8, 11)
+    assert tree.extra_rows(0) == [2, 3, 4, 5] and tree.extra_rows(1) == [6, 7]

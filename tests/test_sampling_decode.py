@@ -18,7 +18,7 @@ from hypothesis import given, strategies as st
 import verify as verify_module
 from helpers import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
 from combined import CombinedDrafter, SoftTokensOnRoot
-from cost_aware import CostAware, Latency
+from cost_aware import CostAware, Costs, Latency
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import MedusaDrafter, MedusaHeads
@@ -80,7 +80,7 @@ def sampled_counts(model, prompt, drafter, runs=RUNS):
         gen = generate(model, prompt, max_new_tokens=LENGTH, eos_ids=set(), drafter=drafter,
                        sampling=SAMPLING, generator=torch.Generator().manual_seed(seed))
         counts[tuple(gen.token_ids)] += 1
-        accepted += gen.draft_tokens_accepted
+        accepted += gen.counts.guesses_accepted
     return counts, accepted
 
 
@@ -104,6 +104,12 @@ def ppd(model):
     return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(ACCURACY, 16, 3, 2), ACCURACY)
 
 
+def cost_aware(make, latency):
+    """make(costs)'s drafter, cut by the same costs."""
+    costs = Costs(latency)
+    return CostAware(make(costs), costs)
+
+
 def drafters(model, other_draft):
     return {
         "anpd": lambda: NGramDrafter(n=3, k=3),
@@ -113,9 +119,11 @@ def drafters(model, other_draft):
         "medusa": lambda: medusa(model),
         "ppd": lambda: ppd(model),
         # cost-aware (a pass of 4 inputs costs 1.3 of one) and combined: n-grams, trie, soft tokens on the root
-        "speculative-cost-aware": lambda: CostAware(DraftModelDrafter(other_draft, gamma=3), Latency({1: 1, 4: 1.3})),
-        "auto": lambda: CostAware(CombinedDrafter([NGramDrafter(n=3, k=3), TrieDrafter(decoding_length=6, branch_length=3)],
-                                                  SoftTokensOnRoot(ppd(model))), Latency({1: 1.0, 4: 1.3})),
+        "speculative-cost-aware": lambda: cost_aware(lambda costs: DraftModelDrafter(other_draft, gamma=3, costs=costs),
+                                                     Latency({1: 1, 4: 1.3})),
+        "auto": lambda: cost_aware(lambda costs: CombinedDrafter(
+            [NGramDrafter(n=3, k=3), TrieDrafter(decoding_length=6, branch_length=3)], SoftTokensOnRoot(ppd(model)), costs),
+            Latency({1: 1.0, 4: 1.3})),
     }
 
 
@@ -169,8 +177,8 @@ def test_a_draft_equal_to_the_model_is_always_accepted():
     for sampling in [Sampling(), Sampling(temperature=0.9)]:
         gen = generate(model, [1, 2, 3], max_new_tokens=31, eos_ids=set(), sampling=sampling,
                        drafter=DraftModelDrafter(model, gamma=4), generator=torch.Generator().manual_seed(0))
-        assert gen.forward_passes == 1 + 6  # prefill, then 5 tokens (4 guesses + bonus) per pass
-        assert gen.draft_rejections == 0
+        assert gen.counts.forward_passes == 1 + 6  # prefill, then 5 tokens (4 guesses + bonus) per pass
+        assert gen.counts.rejections == 0
 
 
 def test_default_model_greedy_speculative_equals_vanilla(default_model, default_tokenizer):

@@ -8,6 +8,7 @@ from cli import main
 from helpers import VOCAB_OF_TREES, cheap, trees
 from decode import Pass
 from show_tree import ACCEPTED, REJECTED, UNREACHED, draw_pass
+from ppd import soft_layout
 from tree import Tree
 from verify import verify_greedy
 
@@ -22,10 +23,10 @@ def text_of(ids):
 def greedy_pass(tree: Tree, choices: list[int], vocab: int, cache_length: int = 57) -> Pass:
     """The pass a model whose most likely token after node i is choices[i] makes of `tree`, judged by
     the real greedy verifier."""
-    logits = torch.zeros(len(tree), vocab)
+    logits = torch.zeros(tree.input_count, vocab)
     logits[range(len(tree)), choices] = 1.0
     verdict = verify_greedy(tree, logits)
-    return Pass(tree, cache_length, choices, verdict, verdict.tokens)
+    return Pass(tree, cache_length, verdict.path, verdict.tokens, torch.zeros(tree.input_count, 1), logits, verdict)
 
 
 def test_a_hand_built_tree_is_drawn_as_expected():
@@ -56,7 +57,7 @@ def test_colour_marks_accepted_rejected_and_unreached_lines():
 
 
 def test_soft_tokens_and_a_bonus_cut_by_the_stop_rule():
-    tree = Tree([THE, CITY, TOWN], [-1, 0, 0], soft_counts=[2, 1, 0], ensembles=2)
+    tree = Tree([THE, CITY, TOWN], [-1, 0, 0]).with_extra(soft_layout([2, 1, 0], ensembles=2))
     step = greedy_pass(tree, [CITY, VOTED, THE], len(WORDS))
     step.emitted = [CITY]  # the answer ended at " city": the bonus " voted" was never emitted
     drawn = draw_pass(1, step, text_of)
@@ -85,7 +86,7 @@ def test_every_node_is_drawn_once_at_its_depth_with_the_verdicts_mark(tree, data
     visit(0)
     assert len(node_lines) == len(depth_first)
     for node, line in zip(depth_first, node_lines):
-        mark = marks[step.verdict.outcomes(tree)[node]]
+        mark = marks[step.outcomes()[node]]
         assert line.index(mark) == 4 * tree.depths[node], line  # "│   " per ancestor below the root, then "├── "
         assert line[line.index(mark) + 2:].startswith(f'"<{tree.tokens[node]}>"')
     assert sum(line.count(ACCEPTED) for line in node_lines) == step.verdict.accepted_guesses

@@ -6,7 +6,7 @@ import torch
 
 import train_prompt
 from helpers import self_distilled_record, tiny_model
-from ppd import SoftTokens, initial_embeddings, ppd_loss
+from ppd import SoftTokens, initial_embeddings
 
 VOCAB = 16
 
@@ -27,7 +27,7 @@ def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
         def step_loss(step):
             if step == stop_at:
                 raise KeyboardInterrupt
-            return ppd_loss(model, soft_tokens, record, 8, torch.Generator().manual_seed(step)), 1
+            return train_prompt.ppd_record_loss(model, soft_tokens, record, 8, torch.Generator().manual_seed(step)), 1
 
         train_prompt.run_steps(soft_tokens, optimizer, 6, step_loss, args)
         return soft_tokens.embeddings.detach()

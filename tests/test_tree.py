@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from helpers import VOCAB_OF_TREES, cheap, path_to, trees
-from tree import Tree
+from tree import ExtraInputs, Tree
 
 
 def token_paths(tree):
@@ -75,45 +75,45 @@ def test_truncation_keeps_the_shallow_nodes(tree, max_depth):
     assert len(cut) == sum(d <= max_depth for d in tree.depths)
 
 
-# ---- soft tokens -------------------------------------------------------------------------------
+# ---- extra inputs (PPD's soft tokens; their layout is tested in test_ppd.py) ----------------------
 
-def test_ensemble_mask_and_positions_by_hand():
-    """Root r with one child c; r carries 2 soft tokens, c carries 1, each in 2 EPT groups.
-    Rows: r, c, then (r,d1,g0) (r,d1,g1) (r,d2,g0) (r,d2,g1) (c,d1,g0) (c,d1,g1)."""
-    tree = Tree([7, 8], [-1, 0], soft_counts=[2, 1], ensembles=2)
-    assert tree.soft_slots() == [(0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 1, 0), (1, 1, 1)]
-    assert tree.positions(10).tolist() == [10, 11, 11, 11, 12, 12, 12, 12]
+def test_extra_inputs_see_their_node_its_ancestors_and_the_row_they_follow():
+    """Root r with child c; extra rows: x0 on r, x1 on c, x2 on c following x1."""
+    extra = ExtraInputs(node=(0, 1, 1), offset=(1, 1, 2), follows=(-1, -1, 1), embeddings=torch.zeros(3, 4))
+    tree = Tree([7, 8], [-1, 0], extra=extra)
+    assert tree.input_count == 5 and tree.extra_rows(1) == [3, 4] and tree.inputs_of(1) == 3
+    assert tree.input_positions(10).tolist() == [10, 11, 11, 12, 13]
     expected = torch.tensor([
-        # r  c  r10 r11 r20 r21 c10 c11
-        [1, 0, 0, 0, 0, 0, 0, 0],  # r
-        [1, 1, 0, 0, 0, 0, 0, 0],  # c: nodes never see soft tokens
-        [1, 0, 1, 0, 0, 0, 0, 0],  # r's distance-1 EPT, group 0
-        [1, 0, 0, 1, 0, 0, 0, 0],  # group 1: not group 0's
-        [1, 0, 1, 0, 1, 0, 0, 0],  # distance 2, group 0: sees distance 1 of group 0 only
-        [1, 0, 0, 1, 0, 1, 0, 0],  # distance 2, group 1
-        [1, 1, 0, 0, 0, 0, 1, 0],  # c's soft token: c's ancestors, not r's soft tokens
-        [1, 1, 0, 0, 0, 0, 0, 1],
+        # r  c  x0 x1 x2
+        [1, 0, 0, 0, 0],  # r
+        [1, 1, 0, 0, 0],  # c: nodes never see extra inputs
+        [1, 0, 1, 0, 0],  # x0 on r
+        [1, 1, 0, 1, 0],  # x1 on c
+        [1, 1, 0, 1, 1],  # x2 on c, following x1
     ], dtype=torch.bool)
-    assert torch.equal(tree.ancestor_mask(), expected)
-    assert tree.attention_mask(3).shape == (8, 11)
-    assert tree.soft_rows(0) == [2, 3, 4, 5] and tree.soft_rows(1) == [6, 7]
+    assert torch.equal(tree.input_mask(3)[:, 3:], expected) and tree.input_mask(3)[:, :3].all()
+    assert torch.equal(tree.ancestor_mask(), expected[:2, :2])  # the nodes alone
 
 
-def test_truncation_keeps_soft_counts():
-    tree = Tree([1, 2, 3], [-1, 0, 1], soft_counts=[1, 2, 3], ensembles=2)
-    cut = tree.truncated(1)
-    assert cut.soft_counts == [1, 2] and cut.ensembles == 2 and len(cut.soft_slots()) == 6
+def test_extra_inputs_are_checked_when_made():
+    with pytest.raises(ValueError):
+        ExtraInputs(node=(0, 1), offset=(1, 1), follows=(-1, 0))  # follows a row on another node
+    with pytest.raises(ValueError):
+        ExtraInputs(node=(0,), offset=(1,), follows=(-1,), embeddings=torch.zeros(2, 4))
+    with pytest.raises(ValueError):
+        Tree([7], [-1], extra=ExtraInputs(node=(1,), offset=(1,), follows=(-1,)))  # no node 1
+
+
+def test_truncation_keeps_the_extra_inputs_of_the_kept_nodes():
+    """Nodes 0, 1, 3 are at most 1 deep; node 2 (depth 2) goes, and with it its extra inputs' rows."""
+    extra = ExtraInputs(node=(0, 1, 2, 2, 3), offset=(1, 1, 1, 2, 1), follows=(-1, -1, -1, 2, -1),
+                        embeddings=torch.arange(5.0)[:, None])
+    cut = Tree([5, 6, 7, 8], [-1, 0, 1, 0], extra=extra).truncated(1)
+    assert cut.tokens == [5, 6, 8] and cut.extra.embeddings[:, 0].tolist() == [0, 1, 4]
+    assert cut.extra.node == (0, 1, 2) and cut.extra.follows == (-1, -1, -1)
 
 
 # ---- sparse trees from accuracies ---------------------------------------------------------------
 
 
 
-
-
-def test_truncation_keeps_the_soft_inputs_of_the_kept_nodes():
-    """Nodes 0, 1, 3 are at most 1 deep; node 2 (depth 2) goes, and with it its soft token's input row."""
-    tree = Tree([5, 6, 7, 8], [-1, 0, 1, 0], soft_counts=[1, 1, 1, 1], soft_inputs=torch.arange(4.0)[:, None])
-    cut = tree.truncated(1)
-    assert cut.tokens == [5, 6, 8] and cut.soft_inputs[:, 0].tolist() == [0, 1, 3]
-    assert len(cut.soft_inputs) == len(cut.soft_slots())

@@ -3,7 +3,8 @@ occurs (naive count), prompt and output apart, through prompt elimination and pr
 frequent nodes; retrieval takes the branches after the longest matching context first (multi-stage);
 and decoding with your Lookahead gives vanilla greedy's tokens (Zhao et al. 2023, sections 4.3.1-4.3.2)."""
 
-from helpers import assert_decodes_as_naive_greedy, assert_trie_invariants, cheap, occurrences, requests, tiny_model, trie_counts
+from helpers import (assert_decodes_as_naive_greedy, assert_trie_invariants, cheap, occurrences, requests, tell, tiny_model,
+                     trie_counts)
 from hypothesis import given, strategies as st
 
 import adapters
@@ -68,7 +69,7 @@ def test_pruning_removes_the_least_frequent_nodes(request_list, depth, capacity)
 def retrieved(prompt, generated, decoding_length=6, branch_length=4):
     drafter = TrieDrafter(decoding_length=decoding_length, branch_length=branch_length)
     drafter.begin(Request(prompt))
-    drafter.extend(generated)
+    tell(drafter, generated)
     return drafter.retrieve()
 
 
