@@ -95,7 +95,7 @@ def medusa(model):
     torch.manual_seed(0)
     for p in heads.parameters():
         p.data += 0.1 * torch.randn_like(p)
-    return MedusaDrafter(model, heads, ACCURACY, rows=10)
+    return MedusaDrafter(model, heads, ACCURACY, inputs=10)
 
 
 def ppd(model):

@@ -4,6 +4,7 @@ accepted nodes are the verifier's path, the coloured tokens are the accepted gue
 speedup in the results file, and the star is the calibrated size."""
 
 import json
+from dataclasses import astuple
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -78,9 +79,9 @@ def test_the_tree_mask_and_positions_show_the_verifiers_verdict(tiny, tmp_path, 
                "positions": visualize.positions_figure(step, text_of, "positions")}
     drawn_mask = torch.as_tensor(figures["mask"].axes[0].images[0].get_array())  # 0 hidden, 1 cache, 2 ancestor
     shown = min(8, step.cache_length)
-    mask = step.tree.attention_mask(step.cache_length)[:, step.cache_length - shown:]
+    mask = step.tree.input_mask(step.cache_length)[:, step.cache_length - shown:]
     assert torch.equal(drawn_mask > 0, mask) and (drawn_mask[:, :shown] == 1).all()
-    assert torch.equal(drawn_mask[:, shown:] == 2, step.tree.ancestor_mask())
+    assert torch.equal(drawn_mask[:, shown:] == 2, step.tree.input_mask(0))
     ids_in = {}
     for name, fig in figures.items():
         png, svg = visualize.save(fig, tmp_path, name, ["png", "svg"])
@@ -90,10 +91,10 @@ def test_the_tree_mask_and_positions_show_the_verifiers_verdict(tiny, tmp_path, 
     assert sorted(drawn) == list(range(len(step.tree)))
     assert sorted(n for n, kind in drawn.items() if kind in ("accepted", "root")) == step.verdict.path
     assert ("bonus" in ids_in["tree"]) == (len(step.emitted) > step.verdict.accepted_guesses)  # the bonus reached the answer
-    assert sum(i.startswith("soft-") for i in ids_in["tree"]) == sum(c > 0 for c in step.tree.soft_counts)
+    assert sum(i.startswith("soft-") for i in ids_in["tree"]) == sum(bool(step.tree.extra_rows(node)) for node in range(len(step.tree)))
     assert ids_in["mask"].count("row-accepted") == len(step.verdict.path)
     positions = [i for i in ids_in["positions"] if i.startswith("position-")]
-    assert positions == [f"position-{row}-{p}" for row, p in enumerate(step.tree.positions(step.cache_length).tolist())]
+    assert positions == [f"position-{row}-{p}" for row, p in enumerate(step.tree.input_positions(step.cache_length).tolist())]
 
 
 def test_the_answer_figure_colours_exactly_the_accepted_guesses(tiny, tmp_path):
@@ -213,15 +214,15 @@ def test_the_threads_figure_has_a_cell_per_verdict_green_where_guesses_were_acce
 
     verdicts = []
     gen = generate_apar(forking_model(3), [7, 8, 9], CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=8,
-                        guesser=lambda: NGramDrafter(3, 4), watch=lambda *verdict: verdicts.append(verdict))
+                        guesser=lambda: NGramDrafter(3, 4), watch=verdicts.append)
     fig = visualize.threads_figure({"apar + anpd": visualize.ThreadRun(gen, verdicts)},
                                    lambda ids: " ".join(map(str, ids)), CONTROL, {EOS}, "threads")
     png, svg = visualize.save(fig, tmp_path, "threads", ["png", "svg"])
     assert_valid_png(png)
     cells = [i for i in svg_ids(svg) if i.startswith("pass-")]
-    assert cells == [f"pass-{n}-thread-{t}-{'accepted' if accepted else 'bonus'}" for n, t, _, accepted, _ in verdicts]
-    assert gen.threads > 3 and sum(accepted for *_, accepted, _ in verdicts) == gen.guesses_accepted > 0
-    assert sorted(child for *_, forked in verdicts for child in forked) == list(range(1, gen.threads))
+    assert cells == [f"pass-{n}-thread-{t}-{'accepted' if accepted else 'bonus'}" for n, t, _, accepted, _ in map(astuple, verdicts)]
+    assert gen.threads > 3 and sum(v.accepted for v in verdicts) == gen.counts.guesses_accepted > 0
+    assert sorted(child for v in verdicts for child in v.forked) == list(range(1, gen.threads))
 
 
 def test_the_threads_command_draws_apar_beside_apar_with_guesses(default_model_dir, tmp_path, capsys):
