@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apar import ControlTokens, adapted_linears, with_control_rows
+from apar import adapted_linears, with_control_rows
 from self_distill import held_out_prompts, training_prompts, usable_prompts
 from tree import Tree
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from apar import ControlTokens, generate_apar
+from apar import ControlTokens
 from apar import apply_adapter
 from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)

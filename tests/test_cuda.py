@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from apar import ControlTokens, generate_apar
+from apar import ControlTokens
 from cli import main
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, scripted_apar, tiny_artifacts,
                       tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
