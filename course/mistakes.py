@@ -50,8 +50,8 @@ class KeepWithoutPacking(kv_cache.KVCache):
 
 
 class WriteReturnsOnlyTheNew(kv_cache.KVCache):
-    def write(self, layer, k, v):  # returns the pass's own K/V: attention would not see the cache
-        super().write(layer, k, v)
+    def write(self, layer, slots, k, v):  # returns the pass's own K/V: attention would not see the cache
+        super().write(layer, slots, k, v)
         return k, v
 
 
@@ -59,12 +59,12 @@ class WriteReturnsOnlyTheNew(kv_cache.KVCache):
 
 class PositionsByIndex(tree.Tree):
     def positions(self, cache_length, device=None):  # the node's index in the layout instead of its depth
-        return torch.arange(len(self.tokens) + len(self.soft_slots()), device=device) + cache_length
+        return torch.arange(len(self.tokens), device=device) + cache_length
 
 
 class CausalMask(tree.Tree):
     def ancestor_mask(self):  # ordinary decoding's mask: every earlier row, not only the ancestors
-        rows = len(self.tokens) + len(self.soft_slots())
+        rows = len(self.tokens)
         return torch.ones(rows, rows, dtype=torch.bool).tril()
 
 

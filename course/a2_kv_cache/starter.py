@@ -8,9 +8,10 @@ import kv_cache
 
 
 class KVCache(kv_cache.KVCache):
-    def write(self, layer: int, k, v):
-        """Store one layer's K/V for the reserved slots ([B, K, T, E] each); return that layer's whole
-        history including them ([B, K, length, E] views, no copy)."""
+    def write(self, layer: int, slots, k, v):
+        """Store one layer's K/V ([B, K, T, E] each) in `slots` (a slice or T slot indices, claimed
+        before the pass); return that layer's whole history, them included ([B, K, length, E] views,
+        no copy)."""
         raise NotImplementedError("a2_kv_cache: implement write")
 
     def truncate(self, length: int) -> None:

@@ -24,10 +24,22 @@ def operations():
         st.tuples(st.just("keep"), st.floats(0, 1), st.lists(st.floats(0, 1), max_size=4))), max_size=12)
 
 
+def test_write_stores_in_the_slots_it_is_given():
+    cache = KVCache(1, 1, 1, 6, dtype=torch.float64)
+    cache.claim(6)
+    keys, _ = cache.write(0, torch.tensor([4, 1, 2]), torch.tensor([40.0, 10.0, 20.0], dtype=torch.float64).view(1, 1, 3, 1),
+                          torch.zeros(1, 1, 3, 1, dtype=torch.float64))
+    held = keys[0, 0, :, 0].tolist()
+    assert held == [0.0, 10.0, 20.0, 0.0, 40.0, 0.0], (
+        f"write(layer, slots=[4, 1, 2], k) must put k's first row in slot 4, its second in slot 1 and its third in "
+        f"slot 2 (APAR's threads write where their allocator says, not at the end), and return all 6 slots; "
+        f"the history holds {held}")
+
+
 def test_keep_moves_the_accepted_path_down():
     cache = KVCache(1, 1, 1, 8, dtype=torch.float64)
-    cache.reserve(4)
-    cache.write(0, torch.arange(4.0, dtype=torch.float64).view(1, 1, 4, 1), torch.zeros(1, 1, 4, 1, dtype=torch.float64))
+    cache.write(0, cache.claim(4), torch.arange(4.0, dtype=torch.float64).view(1, 1, 4, 1),
+                torch.zeros(1, 1, 4, 1, dtype=torch.float64))
     cache.keep(1, [0, 2])  # slot 0 stays; of the tree in slots 1..3, nodes 0 and 2 (slots 1 and 3) are kept
     held = cache.keys[0, 0, 0, :cache.length, 0].tolist()
     assert held == [0.0, 1.0, 3.0], (f"after writing values 0, 1, 2, 3 and keep(start=1, offsets=[0, 2]) the cache must "
@@ -46,10 +58,10 @@ def test_the_cache_holds_what_a_list_of_slots_holds(script):
                 continue
             values = [next_value + i for i in range(count)]
             next_value += count
-            cache.reserve(count)
+            claimed = cache.claim(count)
             for layer in range(LAYERS):
                 k = torch.tensor(values, dtype=torch.float64).view(1, 1, count, 1).expand(1, 1, count, 2) + layer
-                keys, vals = cache.write(layer, k, -k)
+                keys, vals = cache.write(layer, claimed, k, -k)
                 assert keys.shape[2] == len(slots) + count, (
                     f"after {done}: write must return the layer's whole history, {len(slots) + count} slots, "
                     f"not {keys.shape[2]}")
