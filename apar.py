@@ -64,8 +64,8 @@ from kv_cache import KVCache
 from meter import Counts, Meter
 from model import causal_mask, require_finite, room_for_new_tokens
 from sampling import Sampling
-from tree import Tree
-from verify import Verdict, verify
+from tree import Tree, Verdict
+from verify import verify
 
 FORK_TOKEN = "<jupyter_script>"  # [Fork]
 CHILD_TOKEN = "<empty_output>"  # [Child]

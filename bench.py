@@ -75,17 +75,17 @@ from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact, written_atomically
 from calibrate import cpu_name, forward_latency, machine_latency
+from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import prepare_tree_kernels
 from decode import generate
-from drafters import DraftModelDrafter, Drafter, NGramDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options)
 from model import DTYPES, load_checkpoint, parse_device
 from sampling import Sampling
 from tokenizer import Tokenizer
-from visualize import bench_figures, machine_label, save as save_figure
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Write a Python function that checks whether a string is a palindrome.",
@@ -819,7 +819,10 @@ def machine(device: torch.device) -> dict:
 
 def bench_command(argv) -> None:
     args = build_parser().parse_args(argv)
-    Sampling(temperature=args.temperature)  # refuses a temperature it cannot sample at, before any work
+    try:  # refuses a temperature it cannot sample at, before any work
+        Sampling(temperature=args.temperature)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     args.device = parse_device(args.device)
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run

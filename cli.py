@@ -13,8 +13,6 @@ import io
 import json
 import random
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,15 +20,14 @@ import torch
 import apar
 import artifacts
 from calibrate import calibrate, save_rows, tokens_per_pass
-from convert import default_model_dir
-from cpu_kernels import prepare_tree_kernels
 from decode import Generation, generate
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program
-from methods import APAR_GUESSERS, METHODS, OPTIONS, Method, build_drafter, calibration_name, methods_taking, trained_path
-from model import DTYPES, load_checkpoint, parse_device, room_for_new_tokens
+from methods import (APAR_GUESSERS, METHODS, Method, add_method_options, add_model_options, build_drafter, calibration_name,
+                     flag, load, refuse_idle_options, trained_path)
+from prompts import Prompt, checked, prompt_ids, read_prompts
 from sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
 from show_tree import TreePrinter
-from tokenizer import StreamDecoder, Tokenizer
+from tokenizer import StreamDecoder
 from verify import TypicalAcceptance
 
 TREE_METHODS = [name for name, method in METHODS.items() if method.size is not None]  # --calibrate tunes them
@@ -91,41 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """Which model, where, and how the prompt reaches it (decode.py and visualize.py)."""
-    p.add_argument("--model", type=Path, metavar="DIR",
-                   help="a Hugging Face Llama checkpoint folder (config.json, *.safetensors, "
-                        "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
-    p.add_argument("--raw", action="store_true",
-                   help="feed the prompt as-is instead of through the checkpoint's chat template")
-
-
-def add_method_options(p: argparse.ArgumentParser) -> None:
-    """Each method's own options from the registry, grouped under its paper."""
-    added = set()
-    for method in METHODS.values():
-        own = [dest for dest in method.options if dest not in added]
-        group = p.add_argument_group(f"{method.name} ({method.paper})") if own else None
-        for dest in own:
-            flag, settings = OPTIONS[dest]
-            takers = methods_taking(dest)
-            shared = f" [{', '.join(takers)}]" if len(takers) > 1 else ""
-            group.add_argument(flag, **(settings | {"help": settings["help"] + shared}))
-            added.add(dest)
-
-
-def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
-    """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
-    A method's own options act only with that method (one of `methods`, those asked for)."""
-    rules = [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
-              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules
-    for dest, acts, where in rules:
-        if getattr(args, dest) != parser.get_default(dest) and not acts(args):
-            raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
-
-
 def is_sampling(args) -> bool:
     return args.temperature != 0
 
@@ -159,10 +121,6 @@ ACTS_ONLY = {
 }
 
 
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 def check_args(args, parser) -> None:
     method = METHODS[args.method]
     rules = [(dest, acts, where) for dest, (acts, where) in ACTS_ONLY.items()]
@@ -184,90 +142,6 @@ def typical_acceptance(args) -> TypicalAcceptance | None:
     if args.acceptance != "typical":
         return None
     return TypicalAcceptance(args.typical_epsilon, args.typical_delta)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    where: str  # named in messages: "--prompt", "standard input" or FILE:LINE
-
-
-def read_prompts(args) -> list[Prompt]:
-    if args.prompt is not None:
-        return [checked(Prompt(args.prompt, "--prompt"))]
-    if args.prompt_file is not None:
-        return read_prompt_file(args.prompt_file)
-    if sys.stdin is None:
-        raise UserError("give --prompt or --prompt-file (standard input is closed)")
-    return [checked(Prompt(utf8(sys.stdin.buffer.read(), "standard input"), "standard input"))]
-
-
-def utf8(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
-                        "save it as UTF-8") from None
-
-
-def checked(prompt: Prompt) -> Prompt:
-    """A prompt with text to decode: not empty, and nothing that is not UTF-8 (a command-line argument
-    with such bytes arrives as lone surrogates, which no tokenizer can encode)."""
-    try:
-        prompt.text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise UserError(f"{prompt.where} is not UTF-8 text (at character {err.start})") from None
-    if not prompt.text.strip():
-        raise UserError(f"{prompt.where}: the prompt is empty")
-    return prompt
-
-
-def read_prompt_file(path: Path) -> list[Prompt]:
-    if not path.is_file():
-        raise UserError(f"prompt file {path} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_bytes().splitlines(), 1):
-        where = f"{path}:{number}"
-        line = utf8(line, where)
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{where}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserError(f'{where}: expected an object with a string "prompt"')
-        prompts.append(checked(Prompt(record["prompt"], where)))
-    if not prompts:
-        raise UserError(f"{path} holds no prompts")
-    return prompts
-
-
-def prompt_ids(args, prompt: Prompt, model, tokenizer) -> list[int]:
-    """The prompt's token ids, checked to leave room for an answer in the model's context."""
-    try:
-        ids = tokenizer.prompt_ids(prompt.text, raw=args.raw)
-        room_for_new_tokens(model, ids, args.max_new_tokens)
-    except UserError as err:
-        raise UserError(f"{prompt.where}: {err}") from None
-    return ids
-
-
-def load(args, method: Method):
-    """The model and tokenizer the options name, with a progress line on stderr."""
-    device = parse_device(args.device)
-    folder = args.model if args.model is not None else default_model_dir()
-    started = time.perf_counter()
-    model = load_checkpoint(folder, DTYPES[args.dtype], device)
-    if method.guesses:  # (apar's weights change first: its engine lays them out after the adapter)
-        prepare_tree_kernels(model)
-    tokenizer = Tokenizer(folder)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                        f"{model.config.vocab_size}")
-    print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",
-          file=sys.stderr)
-    return model, tokenizer
 
 
 def run_calibration(args, method: Method, model, tokenizer) -> None:
@@ -412,7 +286,10 @@ def decode_command(argv) -> None:
     args = parser.parse_args(argv)
     check_args(args, parser)
     method = METHODS[args.method]
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:  # the settings' ranges, said once in sampling.py
+        raise UserError(str(err)) from None
     typical = typical_acceptance(args)  # its parameters are checked before the model loads
     if args.calibrate:
         model, tokenizer = load(args, method)

@@ -168,6 +168,7 @@ def stop_reason(token_ids: list[int], max_new_tokens: int, room: int, eos_ids: s
 
 
 if __name__ == "__main__":  # `python decode.py ...` is the command line (cli.py); importing decode never runs this
+    sys.modules["decode"] = sys.modules["__main__"]  # cli imports this file's module, not a second copy of it
     from cli import main
 
     sys.exit(main())

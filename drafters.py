@@ -33,8 +33,7 @@ import torch
 from errors import UserError
 from kv_cache import KVCache
 from sampling import Sampling, choose_token_and_probs
-from tree import Evidence, Tree
-from verify import Verdict
+from tree import Evidence, Tree, Verdict
 
 
 @dataclass

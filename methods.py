@@ -4,13 +4,17 @@ Per method: its one-line help, the paper it implements, its own command-line opt
 sets its size (inputs per forward pass, which --calibrate tunes), whether it has trained parts, and
 how to build it: a *drafter* for the guess-and-verify loop (decode.py), or an *engine* with a loop of
 its own (APAR). cli.py makes its parser and option checks from this table; bench.py builds the same
-drafters from it.
+drafters from it. The options every program that decodes shares (the model's, each method's) and the
+loading of the model they name are here too, so that the programs (cli, visualize, bench) import each
+other for nothing.
 
     method = METHODS["anpd"]
     drafter = build_drafter(method, default_options(ngram_n=4), model, tokenizer)
 """
 
 import argparse
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +32,7 @@ from cost_aware import CostAware, Costs, Latency
 from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer
-from model import load_checkpoint
+from model import DTYPES, load_checkpoint, parse_device
 from tokenizer import Tokenizer
 
 DEFAULT_DRAFT_LAYERS = 4
@@ -296,3 +300,65 @@ def build_drafter(method: Method, options, model, tokenizer, inputs: int | None 
     drafter = method.drafter(Build(options, model, tokenizer, inputs or inputs_per_pass(method, options, model),
                                    costs, this_machines))
     return drafter if costs is None else CostAware(drafter, costs)
+
+
+# ---- what the programs share: the model and method options, loading ----------------------------------
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Which model, where, and how the prompt reaches it (decode.py and visualize.py)."""
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="a Hugging Face Llama checkpoint folder (config.json, *.safetensors, "
+                        "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
+    p.add_argument("--raw", action="store_true",
+                   help="feed the prompt as-is instead of through the checkpoint's chat template")
+
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    """Each method's own options from the registry, grouped under its paper."""
+    added = set()
+    for method in METHODS.values():
+        own = [dest for dest in method.options if dest not in added]
+        group = p.add_argument_group(f"{method.name} ({method.paper})") if own else None
+        for dest in own:
+            flag, settings = OPTIONS[dest]
+            takers = methods_taking(dest)
+            shared = f" [{', '.join(takers)}]" if len(takers) > 1 else ""
+            group.add_argument(flag, **(settings | {"help": settings["help"] + shared}))
+            added.add(dest)
+
+
+
+def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
+    """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
+    A method's own options act only with that method (one of `methods`, those asked for)."""
+    rules = [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
+              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules
+    for dest, acts, where in rules:
+        if getattr(args, dest) != parser.get_default(dest) and not acts(args):
+            raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
+
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+
+def load(args, method: Method):
+    """The model and tokenizer the options name, with a progress line on stderr."""
+    device = parse_device(args.device)
+    folder = args.model if args.model is not None else default_model_dir()
+    started = time.perf_counter()
+    model = load_checkpoint(folder, DTYPES[args.dtype], device)
+    if method.guesses:  # (apar's weights change first: its engine lays them out after the adapter)
+        prepare_tree_kernels(model)
+    tokenizer = Tokenizer(folder)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model.config.vocab_size}")
+    print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",
+          file=sys.stderr)
+    return model, tokenizer

@@ -3,13 +3,13 @@
 This is the single definition of p. Vanilla sampling draws from it and every verifier judges drafts
 against it, so the two can never disagree (a serving engine once shipped a bug where top-p was
 applied on one side only, silently changing the output distribution).
+
+Settings out of range raise ValueError (a program turns it into its one `error:` line).
 """
 
 from dataclasses import dataclass
 
 import torch
-
-from errors import UserError
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
@@ -24,12 +24,12 @@ class Sampling:
     def __post_init__(self):
         # below 0.01 sampling is greedy in all but name, above 100 it is noise; inf and nan are nonsense
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
-            raise UserError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
                             f"got {self.temperature}")
         if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+            raise ValueError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,9 @@ soft tokens (Chen et al. 2024, Figure 2; ppd.py lays them out). Each hangs on a 
 that node sees; they ride in the same forward pass, after all the nodes, and their K/V are never
 kept. A tree without them is all that every other method needs.
 
+What verifying a tree keeps of it is a `Verdict`: a root-to-node path and a bonus token (verify.py
+decides which).
+
 Pure Python and torch tensors, no model code, so it can be property-tested exhaustively.
 """
 
@@ -280,6 +283,25 @@ class Tree:
 
     def __repr__(self) -> str:
         return f"Tree(tokens={self.tokens}, parents={self.parents})"
+
+
+@dataclass
+class Verdict:
+    """What verifying a tree kept (verify.py decides it): the accepted path and the new tokens."""
+    path: list[int]  # accepted node indices, root first (their K/V stay in the cache)
+    tokens: list[int]  # the new tokens: the accepted guesses (path[1:]) and then the bonus token
+    proposed: int = 0  # guessed nodes the pass scored (the tree but its root)
+    rejected: bool = False  # the path ends at a node with children: a guess was rejected there
+    # (else the walk ran out of guesses)
+
+    @classmethod
+    def of(cls, tree: Tree, path: list[int], bonus: int) -> "Verdict":
+        """The verdict of accepting `path` of `tree`, then the `bonus` token."""
+        return cls(path, [tree.tokens[n] for n in path[1:]] + [bonus], tree.draft_size, bool(tree.children[path[-1]]))
+
+    @property
+    def accepted_guesses(self) -> int:
+        return len(self.path) - 1
 
 
 # ---- sparse trees from measured accuracies (Medusa section 2.1.2; PPD section 4.2) ---------------

@@ -40,26 +40,7 @@ import torch
 
 from errors import UserError
 from sampling import Sampling, target_probs
-from tree import Tree
-
-
-@dataclass
-class Verdict:
-    """What one forward pass yields."""
-    path: list[int]  # accepted node indices, root first (their K/V stay in the cache)
-    tokens: list[int]  # the new tokens: the accepted guesses (path[1:]) and then the bonus token
-    proposed: int = 0  # guessed nodes the pass scored (the tree but its root)
-    rejected: bool = False  # the path ends at a node with children: a guess was rejected there
-    # (else the walk ran out of guesses)
-
-    @classmethod
-    def of(cls, tree: Tree, path: list[int], bonus: int) -> "Verdict":
-        """The verdict of accepting `path` of `tree`, then the `bonus` token."""
-        return cls(path, [tree.tokens[n] for n in path[1:]] + [bonus], tree.draft_size, bool(tree.children[path[-1]]))
-
-    @property
-    def accepted_guesses(self) -> int:
-        return len(self.path) - 1
+from tree import Tree, Verdict
 
 
 @dataclass(frozen=True)

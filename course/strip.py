@@ -109,8 +109,9 @@ def hidden(module: str, entries: list[tuple[str, str]]) -> str:
         indent = " " * function.body[0].col_offset
         owner = qualified.split(".")[0] + "." if "." in qualified else ""
         lines[function.body[0].end_lineno:function.end_lineno] = [
-            f"{indent}from course_starters import yours  # this copy runs the student's code (course/README.md)",
             f"{indent}return yours(\"{assignment}\").{owner}{forwarded(function)}"]
+    last_import = max(node.end_lineno for node in ast.parse(source).body if isinstance(node, (ast.Import, ast.ImportFrom)))
+    lines.insert(last_import, "from course_starters import yours  # this copy runs the student's code (course/README.md)")
     return "\n".join(lines) + "\n"
 
 

@@ -26,8 +26,8 @@ from decode import generate  # noqa: E402
 from medusa import MedusaHeads  # noqa: E402
 from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
 from drafters import Drafter, Pass  # noqa: E402
-from tree import Tree  # noqa: E402
-from verify import Chance, Verdict, verify_speculative  # noqa: E402
+from tree import Tree, Verdict  # noqa: E402
+from verify import Chance, verify_speculative  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=500)

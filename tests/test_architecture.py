@@ -1,6 +1,6 @@
 """The shape of the code, checked: the modules import each other without a cycle, lowest first; no
 module imports one of ours inside a function; nothing points a reader outside the repository; and the
-decoding loop's body is steps, not clocks and counters.
+decoding loop's body is steps, counted in one visible line; at most six import layers.
 
 Run it as a script to print the import layers:  python tests/test_architecture.py
 """
@@ -9,19 +9,22 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
 
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
     ["errors", "meter", "cpu_kernels", "model", "kv_cache", "tree", "sampling", "tokenizer", "convert",
-     "artifacts", "bench_data"],  # foundations
+     "artifacts", "bench_data", "prompts", "charts"],  # foundations
     ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
      "combined"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop
     ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text
     ["cli", "bench", "train_prompt", "visualize"],  # the programs
 ]
-TIER = {module: tier for tier, modules in enumerate(TIERS) for module in modules}
+STUDENTS_COPY_ONLY = {"course_starters"}  # written by `course/strip.py hide`: it loads the student's starters
+TIER = {module: tier for tier, modules in enumerate(TIERS) for module in modules} | dict.fromkeys(STUDENTS_COPY_ONLY, 0)
 
 
 def is_main_block(node) -> bool:
@@ -54,7 +57,7 @@ def imports(module: str) -> tuple[set[str], set[str]]:
 
 def layers() -> list[list[str]]:
     """Modules in layers: each imports only modules of lower layers. Raises on a cycle."""
-    graph = {module: imports(module)[0] for module in MODULES}
+    graph = {module: imports(module)[0] - STUDENTS_COPY_ONLY for module in MODULES if module not in STUDENTS_COPY_ONLY}
     placed, result = set(), []
     while len(placed) < len(graph):
         layer = sorted(m for m, deps in graph.items() if m not in placed and deps <= placed)
@@ -67,11 +70,17 @@ def layers() -> list[list[str]]:
 
 
 def test_the_import_graph_has_no_cycle():
-    assert sum(map(len, layers())) == len(MODULES)
+    assert sum(map(len, layers())) == len(set(MODULES) - STUDENTS_COPY_ONLY)
+
+
+def test_the_import_graph_is_shallow():
+    """At most six layers: a reader following imports down from a program reaches the foundations in
+    five steps (python tests/test_architecture.py prints them)."""
+    assert len(layers()) <= 6, layers()
 
 
 def test_every_module_imports_only_its_own_tier_or_lower_ones():
-    assert sorted(TIER) == sorted(MODULES), "place every module in a tier"
+    assert set(MODULES) <= set(TIER) and set(TIER) - set(MODULES) <= STUDENTS_COPY_ONLY, "place every module in a tier"
     upward = {(module, dep) for module in MODULES for dep in imports(module)[0] if TIER[dep] > TIER[module]}
     assert upward == set()
 
@@ -94,19 +103,24 @@ def test_every_module_says_what_it_is():
         assert ast.get_docstring(ast.parse(path.read_text())), f"{module}.py has no docstring"
 
 
-def test_the_decoding_loop_is_steps_not_clocks_and_counters():
-    """decode.generate's while body fits on a screen, with no `+=` and no clock read in it (the
-    meter's `with meter.time(phase):` names a phase; the meter reads the clock)."""
+def test_the_decoding_loop_is_steps_with_one_visible_count():
+    """decode.generate's while body fits on a screen, reads no clock (the meter's `with
+    meter.time(phase):` names a phase; the meter reads the clock) and counts in one visible line,
+    `counts.add_pass(...)`, with no `+=` tallies scattered through it."""
     tree = ast.parse(MODULES["decode"].read_text())
     generate = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "generate")
-    loop = next(n for n in ast.walk(generate) if isinstance(n, ast.While))
+    loop = next((n for n in ast.walk(generate) if isinstance(n, ast.While)), None)
+    if loop is None and "course_starters" in MODULES:
+        pytest.skip("in the students' copy, generate is the student's (course/a4_greedy_loop/starter.py)")
     assert loop.end_lineno - loop.lineno <= 25
+    counted = []
     for node in ast.walk(loop):
-        assert not isinstance(node, ast.AugAssign), f"a counter in the loop, line {node.lineno}"
+        assert not isinstance(node, ast.AugAssign), f"a tally in the loop, line {node.lineno}"
         if isinstance(node, ast.Call):
             called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            assert called not in ("perf_counter", "monotonic", "now", "elapsed", "count"), \
-                f"a clock or counter in the loop, line {node.lineno}"
+            assert called not in ("perf_counter", "monotonic", "now", "elapsed"), f"a clock in the loop, line {node.lineno}"
+            counted += [node.lineno] if called == "add_pass" else []
+    assert len(counted) == 1, f"the loop must count each pass in one line, not at lines {counted}"
 
 
 if __name__ == "__main__":

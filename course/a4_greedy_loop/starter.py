@@ -7,8 +7,8 @@ signature and docstring; replace its NotImplementedError with your implementatio
 from decode import Generation
 from drafters import Drafter
 from sampling import Sampling
-from tree import Tree
-from verify import TypicalAcceptance, Verdict
+from tree import Tree, Verdict
+from verify import TypicalAcceptance
 import torch
 
 

@@ -4,8 +4,8 @@ signature and docstring; replace its NotImplementedError with your implementatio
     python -m pytest course/a6_speculative_sampling
 """
 
-from tree import Tree
-from verify import Chance, Verdict
+from tree import Tree, Verdict
+from verify import Chance
 import torch
 
 
