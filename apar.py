@@ -257,9 +257,7 @@ class AparEngine:
         return generate_apar(self.model, prompt_ids, self.control, guesser=self.guesser, **options)
 
 
-# Guessed tokens fed in one pass over all threads (they share it). On 2 CPU cores, 6 held-out list
-# prompts with ANPD (K = 7) per thread: 4 guesses per pass 2.49 tokens per pass, 8: 2.73, 32: 2.81
-# (tokens/s within noise of each other from 8 on, 1.5x APAR alone's); a GPU feeds them for free.
+# Guessed tokens fed in one pass over all threads, which share it (measured: docs/constants.md).
 MAX_GUESSES_PER_PASS = 32
 
 

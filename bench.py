@@ -218,8 +218,8 @@ class LlamaCppPeer:
     def __init__(self, folder: Path, threads: int):
         missing = [name for name in self.PROGRAMS if not (folder / name).is_file()]
         if missing:
-            raise UserError(f"--llama-cpp {folder} has no {', '.join(missing)}: build llama.cpp as the README's "
-                            "Speed section says and point at its build/bin folder")
+            raise UserError(f"--llama-cpp {folder} has no {', '.join(missing)}: build llama.cpp as "
+                            "docs/results.md says (llama.cpp as a peer) and point at its build/bin folder")
         self.folder, self.threads = folder, threads
         self.gguf = cache_root() / "llama-cpp" / find_default_gguf().name.replace("Q4_1", "F32")
         if not self.gguf.is_file():
@@ -240,7 +240,7 @@ class LlamaCppPeer:
                           "-t", str(self.threads), "--temp", "0", "-c", "4096", *drafting])
         decoded, encoded = self.DECODED.search(done.stderr), self.ENCODED.search(done.stderr)
         if not decoded or not encoded:
-            raise UserError("llama.cpp's llama-lookup printed no timings: is it the version the README names?")
+            raise UserError("llama.cpp's llama-lookup printed no timings: is it the version docs/results.md names?")
         tokens, accepted = int(decoded.group(1)), int(self.ACCEPTED.search(done.stderr).group(1))
         decode_seconds, prefill_seconds = float(decoded.group(2)), float(encoded.group(2))
         # each decoding pass yields its accepted guesses + 1 token; the prompt's pass yields the first
@@ -771,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode phase)")
     g.add_argument("--llama-cpp", type=Path, metavar="DIR",
                    help="llama.cpp's build/bin folder (llama-lookup, llama-quantize): adds its plain and lookup "
-                        "decoding of the same weights (F32) to the greedy float32 tables (README, Speed)")
+                        "decoding of the same weights (F32) to the greedy float32 tables (docs/results.md)")
     g.add_argument("--tree-rows", type=integer(2, MAX_TREE_ROWS), metavar="N",
                    help=f"medusa / ppd: inputs per forward pass, 2..{MAX_TREE_ROWS} (default: decode.py "
                         f"--calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")

@@ -264,16 +264,18 @@ def interactive(args, model, tokenizer, decoder, sampling, typical):
     print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
-            prompt = checked(Prompt(input("> "), "the prompt"))
+            text = input("> ")
+            if not text.strip():  # an empty line: ask again
+                continue
+            prompt = checked(Prompt(text, "the prompt"))
             run_prompt(args, model, tokenizer, decoder, prompt_ids(args, prompt, model, tokenizer), sampling, typical)
         except EOFError:
             print(file=sys.stderr)
             return
         except UnicodeDecodeError:
             print("error: the terminal sent bytes that are not UTF-8; set it to UTF-8", file=sys.stderr)
-        except UserError as err:  # an empty prompt, one longer than the context: say so, keep the session
-            if "the prompt is empty" not in str(err):
-                print(f"error: {err}", file=sys.stderr)
+        except UserError as err:  # a prompt longer than the context, say: say so, keep the session
+            print(f"error: {err}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

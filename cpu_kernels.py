@@ -2,7 +2,7 @@
 
 Decoding multiplies a handful of token vectors by each weight matrix, so a step should cost about
 as much as reading the weights once, whatever the handful. PyTorch's stock CPU GEMM (MKL) does not
-manage that on an AVX2 machine. Measured on 2 AMD EPYC cores (README, "Speed"):
+manage that on an AVX2 machine. Measured on 2 AMD EPYC cores (docs/constants.md):
 - 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all multiplied by
   x in one `torch.bmm`, keeping each block in cache: 30 layers' matrices in 17 ms (F.linear: 28 ms);
 - 2-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once for it

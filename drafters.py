@@ -198,9 +198,7 @@ class NGramDrafter(Drafter):
         return Tree.chain(self.history[-1], draft, evidence=evidence)
 
 
-# Acceptance rates per evidence key, cost-aware drafting's priors: `python bench.py acceptance --methods
-# anpd-fixed lookahead-fixed --prompts 4 --new-tokens 96` (greedy, the fixed trees, 32 held-out prompts
-# of 8 categories; every key judged at least 14 times), rounded.
+# Acceptance rates per evidence key, cost-aware drafting's priors (measured: docs/constants.md).
 NGRAM_PRIORS = {  # (context length of the match, up to 4; times seen, up to 3) -> P(accepted)
     (1, 1): 0.21, (1, 2): 0.26, (1, 3): 0.37, (2, 1): 0.41, (2, 2): 0.61, (2, 3): 0.65,
     (3, 1): 0.58, (3, 2): 0.75, (3, 3): 0.79, (4, 1): 0.83, (4, 2): 0.81, (4, 3): 0.77}
@@ -211,8 +209,8 @@ TRIE_PRIORS = {  # (share of the siblings' occurrences, in quarters; times seen,
 
 def ngram_evidence(level: int, seen: int) -> Evidence:
     """The evidence of an n-gram guess whose context of `level` tokens was followed by it `seen`
-    times. The priors are the acceptance rates measured on bench.py's prompts (cost_aware.py says how);
-    a generation's own outcomes soon outweigh them."""
+    times. Its prior is the acceptance rate measured for such guesses (docs/constants.md); a
+    generation's own outcomes soon outweigh it."""
     level, seen = min(level, 4), min(seen, 3)
     return Evidence(("anpd", level, seen), NGRAM_PRIORS.get((level, seen), 0.3))
 
@@ -398,8 +396,7 @@ class TrieDrafter(Drafter):
     PROMPT_BOOST = 10  # prompt occurrences outweigh output ones while their request runs (4.3.2)
     CAPACITY_PER_DRAFT_TOKEN = 16  # trie nodes kept between requests: 16x the decoding length (Table 6)
 
-    # a pass over 8 tokens costs ~1.55x one token on a 2-core CPU, over 16 ~1.9x (README, "Speed");
-    # the paper goes up to 64 on an A100, where such a pass costs about one token
+    # smaller than the paper's (up to 64 on an A100) because a CPU pass over more costs more (docs/constants.md)
     DEFAULT_DECODING_LENGTH, DEFAULT_BRANCH_LENGTH = 8, 8
     MAX_DECODING_LENGTH, MAX_BRANCH_LENGTH = 256, 64
 
@@ -506,7 +503,7 @@ class TrieDrafter(Drafter):
 
 def trie_evidence(share: float, seen: int) -> Evidence:
     """The evidence of a trie guess that took `share` of its siblings' occurrences and occurred
-    `seen` times (priors measured as ngram_evidence's)."""
+    `seen` times (priors: docs/constants.md)."""
     quarter, seen = min(int(share * 4), 3), min(seen, 3)
     return Evidence(("lookahead", quarter, seen), TRIE_PRIORS.get((quarter, seen), 0.3))
 

@@ -36,10 +36,8 @@ from model import DTYPES, load_checkpoint, parse_device
 from tokenizer import Tokenizer
 
 DEFAULT_DRAFT_LAYERS = 4
-DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate: near the best tau(n)/L(n) of both here (README)
-# Past 256 inputs a pass costs several times one token even on a GPU (L(n) grows), while the trained
-# heads' and soft tokens' accuracies (a few ranks at a few distances) leave nothing worth the extra rows.
-MAX_TREE_ROWS = 256
+DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate (measured: docs/constants.md)
+MAX_TREE_ROWS = 256  # the most --tree-rows (docs/constants.md)
 MAX_LAYERS = 1024  # --draft-layers: the model's own count is checked once it is loaded
 
 

@@ -376,7 +376,7 @@ def text_and_queries(draw):
 # ---- small exact models and a verifier's outcomes, enumerated --------------------------------------
 #
 # A "model" here is a table: for every prefix of guessed tokens, the distribution p of the next token
-# over TABLE_TABLE_VOCAB tokens. A verify step emits some tokens; continuing from them by sampling the model
+# over TABLE_VOCAB tokens. A verify step emits some tokens; continuing from them by sampling the model
 # itself up to a fixed length must give exactly the model's own joint distribution of that length.
 
 def random_table_model(rng: random.Random, max_depth: int, zeros: bool = True) -> dict:
