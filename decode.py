@@ -15,6 +15,7 @@ or the context limit:
                                                   #    or exact speculative sampling (verify.py)
     cache.keep(verdict.path)                      # 4. keep: K/V of the accepted nodes only, packed
     emitted = answer.emit(verdict)                # 5. emit: append, stopping exactly where vanilla would
+    counts.add_pass(guesses proposed, kept, ...)  #    and count the pass
     drafter.after_pass(done)                      # 6. learn: n-grams and tries take the new tokens,
                                                   #    Medusa's heads read the last accepted node's hidden
                                                   #    state, cost-aware drafting its estimates

@@ -16,6 +16,7 @@ import kv_cache
 import model
 import tree
 import verify
+from tree import Verdict
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class CausalMask(tree.Tree):
 def verify_greedy_own_row(tree, logits):  # a guess checked against the choice after itself, not its parent
     choice = logits.argmax(dim=-1).tolist()
     path = verify.longest_path(tree, lambda node: tree.tokens[node] == choice[node])
-    return tree.Verdict.of(tree, path, choice[path[-1]])
+    return Verdict.of(tree, path, choice[path[-1]])
 
 
 def longest_path_first_right_child(tree, is_right):  # follows the first right child, not the deepest path
@@ -125,7 +126,7 @@ def verify_speculative_accepting_with_p(tree, probs, chance):  # accepts x with 
                 break
             residual = verify.residual_after_rejection(residual, q)
         else:
-            return tree.Verdict.of(tree, path, chance.draw(residual))
+            return Verdict.of(tree, path, chance.draw(residual))
 
 
 def residual_is_p(p, q):  # after a rejection, draws from p again instead of norm(max(0, p - q))
