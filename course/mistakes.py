@@ -56,6 +56,11 @@ class WriteReturnsOnlyTheNew(kv_cache.KVCache):
         return k, v
 
 
+class WriteAtTheEnd(kv_cache.KVCache):
+    def write(self, layer, slots, k, v):  # writes the last slots in use, wherever `slots` says
+        return super().write(layer, slice(self.length - k.shape[2], self.length), k, v)
+
+
 # ---- a3: tree attention mask and positions ----------------------------------------------------------
 
 class PositionsByIndex(tree.Tree):
@@ -197,6 +202,7 @@ MISTAKES = {
     "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
     "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
                                              "the layer's whole history"),
+    "a2/write-at-the-end": Mistake("a2_kv_cache", "KVCache", WriteAtTheEnd, "must put k's first row in slot 4"),
     "a3/positions-by-index": Mistake("a3_tree_mask", "Tree", PositionsByIndex, "deep, so its position must be"),
     "a3/causal-mask": Mistake("a3_tree_mask", "Tree", CausalMask, "which is not its ancestor"),
     "a4/own-row": Mistake("a4_greedy_loop", "verify_greedy", verify_greedy_own_row,
