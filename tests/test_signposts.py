@@ -25,8 +25,10 @@ BEGIN = "<!-- files per method: traced by tests/test_signposts.py (--write rewri
 END = "<!-- end of the traced table -->"
 PROMPT = "Give me three tips for learning a language."  # APAR forks on it
 NEW_TOKENS = 48
-# L(n) in seconds as measured on a 2-core AMD EPYC (float32): the cost-aware cuts decide with it
-LATENCY = Latency({1: 0.02215, 2: 0.03594, 8: 0.0413, 16: 0.0538, 32: 0.0884})
+# L(n) as measured on a 2-core AMD EPYC (float32), in milliseconds but read as seconds: the cost-aware
+# cuts decide by the ratios of L(n), and a drafter's own time (which they add, and which varies from
+# machine to machine) is then too small to sway them, so the trace is the same on any machine
+LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
 ORDER = ["vanilla", "anpd", "lookahead", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
