@@ -1,7 +1,8 @@
 """Starters and the students' copy, cut from the reference code by assignments.py's table.
 
     python course/strip.py              # (re)write every course/<assignment>/starter.py
-    python course/strip.py hide DIR     # the students' copy in DIR: the answers replaced by their starters
+    python course/strip.py hide DIR     # the students' copy in DIR: the answers replaced by their starters,
+                                        # and no planted mistakes (each is one change from an answer)
 
 A stub keeps the reference's signature and docstring, word for word, and raises NotImplementedError.
 A starter stubs a function as a function, and a method as a method of a subclass of the reference
@@ -133,6 +134,13 @@ def yours(assignment: str):
 '''
 
 
+NO_MISTAKES = '''"""The planted mistakes are the instructor's: each is one change away from a solution, so the
+students' copy ships none (`python -m pytest course --mistake NAME` runs in the instructor's copy)."""
+
+MISTAKES = {}
+'''
+
+
 def hide(destination: Path) -> None:
     """A students' copy of the project: every assignment's reference body replaced by a call of the
     student's starter, so the whole project runs on the student's code as it is written."""
@@ -148,6 +156,7 @@ def hide(destination: Path) -> None:
     for module, entries in by_module.items():
         (destination / f"{module}.py").write_text(hidden(module, entries))
     (destination / "course_starters.py").write_text(STARTER_LOADER)
+    (destination / "course" / "mistakes.py").write_text(NO_MISTAKES)
     print(f"students' copy in {destination}: {sum(map(len, by_module.values()))} bodies now call the starters")
 
 

@@ -83,9 +83,28 @@ def test_the_starters_are_cut_from_the_reference(assignment):
         assert inspect.signature(stub) == inspect.signature(reference) and stub.__doc__ == reference.__doc__, entry
 
 
+def reference_bodies() -> dict[str, str]:
+    """Each assignment function's reference body (after its docstring), one stripped line per line."""
+    bodies = {}
+    for entries in ASSIGNMENTS.values():
+        for entry in entries:
+            module, qualified = entry.split(".", 1)
+            source, found = strip.definitions(module)
+            function = found[qualified]
+            lines = source.splitlines()[function.body[0].end_lineno:function.end_lineno]
+            bodies[entry] = "\n".join(line.strip() for line in lines if line.strip())
+    return bodies
+
+
 def test_the_students_copy_has_no_answers(tmp_path):
     subprocess.run([sys.executable, str(COURSE / "strip.py"), "hide", str(tmp_path / "copy")], check=True,
                    capture_output=True)
+    texts = {path: "\n".join(line.strip() for line in path.read_text().splitlines() if line.strip())
+             for path in (tmp_path / "copy").rglob("*") if path.suffix in (".py", ".md")}
+    shipped = [(entry, str(path.relative_to(tmp_path / "copy"))) for entry, body in reference_bodies().items()
+               for path, text in texts.items() if body in text]
+    assert shipped == [], "reference bodies in the students' copy"
+    assert "class " not in (tmp_path / "copy" / "course" / "mistakes.py").read_text(), "planted mistakes shipped"
     check = ("import tree, verify\n"
              "for call in (lambda: tree.Tree([0], [-1]).positions(0), lambda: verify.residual_after_rejection(1, 0)):\n"
              "    try:\n        call()\n    except NotImplementedError:\n        continue\n"
