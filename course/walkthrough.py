@@ -9,6 +9,9 @@
 # 3. the model's most likely tokens after each node;
 # 4. what greedy verification accepts, and why;
 # 5. the KV cache before and after `keep`.
+# Lookahead's whole multi-branch tree is shown on a pass that keeps a path which is not the tree's
+# first nodes (so `keep` moves slots), and the draft model on a pass where its guesses are accepted.
+# The last cell does one step of exact speculative sampling, every random choice printed.
 
 # %%
 import contextlib
@@ -29,7 +32,8 @@ from model import load_checkpoint  # noqa: E402
 from sampling import Sampling  # noqa: E402
 from show_tree import draw_pass, visible  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from verify import verify_greedy  # noqa: E402
+from sampling import target_probs  # noqa: E402
+from verify import Chance, verify_greedy, verify_speculative  # noqa: E402
 
 torch.set_grad_enabled(False)
 folder = default_model_dir()
@@ -102,8 +106,17 @@ def one_step(number: int, tree, cache):
     return done
 
 
-def walk(method_name: str, max_passes: int = 16) -> None:
-    drafter = build_drafter(METHODS[method_name], default_options(), model, tokenizer)
+def accepts_a_guess(done) -> bool:
+    return done.verdict.accepted_guesses > 0
+
+
+def keeps_a_path_that_is_not_a_prefix(done) -> bool:  # keep must move slots down
+    return done.path != list(range(len(done.path)))
+
+
+def walk(method_name: str, wanted=accepts_a_guess, max_passes: int = 24, **options) -> None:
+    """Decode with the method until a pass is `wanted`; print that pass stage by stage."""
+    drafter = build_drafter(METHODS[method_name], default_options(**options), model, tokenizer)
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + 2 * max_passes * (1 + drafter.max_extra_inputs))
     drafter.begin(Request(prompt_ids))
     done = prefill(model, cache, drafter.prefill_tree(prompt_ids), Sampling(), None, Answer(10**6, 10**6, set()))
@@ -115,12 +128,69 @@ def walk(method_name: str, max_passes: int = 16) -> None:
             done = one_step(number, tree, cache)
         drafter.after_pass(done)
         verdict = done.verdict
-        if verdict.accepted_guesses or number == max_passes:
+        if wanted(done) or number == max_passes:
             print(f"\npass {number}, root {text(tree.tokens[0])}:" + stages.getvalue())
             return
-        print(f"pass {number}: {tree.draft_size} guesses, none accepted; new token {text(verdict.tokens[-1])}")
+        print(f"pass {number}: {tree.draft_size} guesses, {verdict.accepted_guesses} accepted; new tokens "
+              + " ".join(text(t) for t in verdict.tokens))
+
+
+# %% [markdown]
+# Lookahead, the draft model and Medusa with `--fixed-size` (the paper's whole tree every pass): on
+# this CPU, cost-aware drafting would cut Lookahead's tree to its likeliest branch and stop the
+# self-draft (the model's first 4 layers) and Medusa's heads from guessing at all, as they are rarely right.
+
+# %%
+walk("anpd")
+walk("lookahead", keeps_a_path_that_is_not_a_prefix, fixed_size=True)
+walk("speculative", fixed_size=True)
+walk("medusa", fixed_size=True)
+walk("ppd")
+
+
+# %% [markdown]
+# ## One step of exact speculative sampling
+# At temperature 0.8 the draft samples each guess x from its own distribution q; the model's pass
+# gives p. Walking down the chain, x is accepted with probability min(1, p(x) / q(x)); at the first
+# rejection, p becomes the residual norm(max(0, p - q)), and the bonus token is drawn from what is
+# left (verify.py's module docstring proves that every token then follows p exactly).
 
 
 # %%
-for method_name in ["anpd", "lookahead", "speculative", "medusa", "ppd"]:
-    walk(method_name)
+class NarratedChance(Chance):
+    """verify.py's random choices, each printed as it is made."""
+
+    def accept(self, probability) -> bool:
+        accepted = super().accept(probability)
+        print(f"   accept with probability min(1, p'(x) / q(x)) = {min(1.0, float(probability)):.3f}: "
+              + ("accepted" if accepted else "rejected"))
+        return accepted
+
+    def draw(self, probs: torch.Tensor) -> int:
+        token = super().draw(probs)
+        top = probs.topk(3)
+        print("   the bonus token is drawn from p' (" + ", ".join(
+            f"{text(t)} {q:.2f}" for q, t in zip(top.values.tolist(), top.indices.tolist())) + f"): {text(token)}")
+        return token
+
+
+def sampling_step(seed: int = 0) -> None:
+    sampling, generator = Sampling(temperature=0.8), torch.Generator().manual_seed(seed)
+    drafter = build_drafter(METHODS["speculative"], default_options(fixed_size=True), model, tokenizer)
+    cache = KVCache.for_model(model, capacity=len(prompt_ids) + 1 + drafter.max_extra_inputs)
+    drafter.begin(Request(prompt_ids, sampling, generator))
+    done = prefill(model, cache, drafter.prefill_tree(prompt_ids), sampling, generator, Answer(10**6, 10**6, set()))
+    drafter.after_pass(done)
+    tree = drafter.propose()  # a chain, each guess sampled from q (tree.draft_probs)
+    probs = target_probs(model.logits(score_tree(model, cache, tree))[:len(tree)], sampling)  # p after each node
+    print(f"\n=============== exact speculative sampling: root {text(tree.tokens[0])}, the draft's guesses")
+    for node in range(1, len(tree)):
+        token, parent = tree.tokens[node], tree.parents[node]
+        print(f"   {node}: {text(token):16} p = {float(probs[parent, token]):.3f} (the model, after node {parent}), "
+              f"q = {float(tree.draft_probs[node, token]):.3f} (the draft)")
+    print("verification, choice by choice:")
+    verdict = verify_speculative(tree, probs, NarratedChance(generator))
+    print(f"new tokens: {' '.join(text(t) for t in verdict.tokens)} ({verdict.accepted_guesses} accepted guesses)")
+
+
+sampling_step()

@@ -3,7 +3,9 @@ starters every grader test fails, and every planted student mistake (course/mist
 assignment's grader with a message that points at it. The starters are what course/strip.py cuts
 from the reference, and its students' copy really has the answers removed."""
 
+import ast
 import inspect
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -118,3 +120,9 @@ def test_the_walkthrough_runs_and_shows_each_methods_step(default_model_dir):
     for method in ["anpd", "lookahead", "speculative", "medusa", "ppd"]:
         assert f"=============== {method}:" in run.stdout
     assert run.stdout.count("5. the cache holds") == 5 and ": False" not in run.stdout  # keep moved the path
+    section = {method: run.stdout.split(f"=============== {method}:")[1].split("===============")[0]
+               for method in ["lookahead", "speculative"]}
+    kept = ast.literal_eval(re.search(r"after keep\(start=\d+, path=(\[[\d, ]+\])\)", section["lookahead"]).group(1))
+    assert kept != list(range(len(kept))), f"Lookahead's pass kept {kept}, the tree's first nodes: keep moved nothing"
+    assert int(re.search(r"(\d+) accepted \+ the bonus token", section["speculative"]).group(1)) >= 1
+    assert "accept with probability min(1, p'(x) / q(x))" in run.stdout and "drawn from p'" in run.stdout
