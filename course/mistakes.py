@@ -138,6 +138,11 @@ def residual_is_p(p, q):  # after a rejection, draws from p again instead of nor
     return p
 
 
+def residual_without_a_guard(p, q):  # 0 / 0 (nan) when nothing of p is above q, as p == q up to rounding
+    residual = (p - q).clamp(min=0)
+    return residual / residual.sum()
+
+
 # ---- a7: Lookahead's trie ------------------------------------------------------------------------
 
 class PruneTheMostFrequent(drafters.Trie):
@@ -219,6 +224,8 @@ MISTAKES = {
                                 "min(1, p(x) / q(x))"),
     "a6/residual-is-p": Mistake("a6_speculative_sampling", "residual_after_rejection", residual_is_p,
                                 "norm(max(0, p - q))"),
+    "a6/residual-nan-when-p-equals-q": Mistake("a6_speculative_sampling", "residual_after_rejection",
+                                               residual_without_a_guard, "is not a distribution"),
     "a7/prune-the-most-frequent": Mistake("a7_trie", "Trie", PruneTheMostFrequent, "the least frequent go first"),
     "a7/counts-one-token-too-few": Mistake("a7_trie", "Trie", CountsOneTokenTooFew, "each occurrence once"),
     "a7/shortest-context-first": Mistake("a7_trie", "TrieDrafter", ShortestContextRetrievedFirst,

@@ -12,7 +12,6 @@ import unittest.mock
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import settings, strategies as st
 from safetensors.torch import save_file
@@ -409,11 +408,19 @@ class ScriptedChance(Chance):
         self.script, self.taken, self.weight = script, [], 1.0
 
     def accept(self, probability) -> bool:
+        if not float(probability) >= 0:  # nan fails every comparison
+            raise AssertionError(f"the verifier accepts a guess with probability {float(probability)}: a probability "
+                                 "is a number >= 0 (a ratio p(x) / q(x) with q(x) = 0, or a nan from p or q?)")
         a = min(1.0, float(probability))
         return self.choose([(True, a), (False, 1.0 - a)])
 
     def draw(self, probs) -> int:
-        return self.choose(list(enumerate(probs.tolist())))
+        weights = probs.tolist()
+        if not all(w >= 0 for w in weights) or abs(sum(weights) - 1) > 1e-9:  # (nan fails w >= 0)
+            raise AssertionError(f"the verifier draws a token from {[round(w, 6) for w in weights]}, which is not a "
+                                 "distribution (nan, a negative entry, or a sum that is not 1: a residual "
+                                 "norm(max(0, p - q)) with nothing left, p == q, divides 0 by 0)")
+        return self.choose(list(enumerate(weights)))
 
     def choose(self, outcomes):
         outcomes = [(value, w) for value, w in outcomes if w > 0]
@@ -455,9 +462,12 @@ def model_joint(model: dict, length: int) -> Counter:
     return continued({(): 1.0}, model, length)
 
 
-def assert_same_distribution(a: dict, b: dict):
-    for seq in set(a) | set(b):
-        assert a.get(seq, 0.0) == pytest.approx(b.get(seq, 0.0), abs=1e-12), seq
+def assert_same_distribution(got: dict, expected: dict):
+    """Equal to 1e-12 for every outcome; else the outcomes that differ most, expected vs got."""
+    worst = sorted(set(got) | set(expected), key=lambda seq: -abs(got.get(seq, 0.0) - expected.get(seq, 0.0)))
+    if worst and abs(got.get(worst[0], 0.0) - expected.get(worst[0], 0.0)) > 1e-12:
+        raise AssertionError("; ".join(f"P{seq} expected {expected.get(seq, 0.0):.6f}, got {got.get(seq, 0.0):.6f}"
+                                       for seq in worst[:4]))
 
 
 @st.composite

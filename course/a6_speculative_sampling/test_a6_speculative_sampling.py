@@ -40,6 +40,17 @@ def test_the_residual_is_the_normalised_positive_part_of_p_minus_q(seed):
         f"norm(max(0, p - q)) = {expected.tolist()}, not {got.tolist()}")
 
 
+@pytest.mark.parametrize("p", [[0.0, 1.0, 0.0], [0.5, 0.25, 0.25]])
+def test_the_residual_is_a_distribution_when_nothing_of_p_is_above_q(p):
+    p = torch.tensor(p, dtype=torch.float64)
+    got = residual_after_rejection(p, p.clone())
+    weights = [round(w, 6) for w in got.tolist()]
+    assert bool(torch.isfinite(got).all()) and abs(float(got.sum()) - 1) < 1e-9, (
+        f"p = q = {p.tolist()}: max(0, p - q) is all zeros, and the residual {weights} is not a distribution "
+        "(0 / 0 is nan); rounding makes this happen when q is p up to float error: fall back to p, the rule's limit")
+    assert torch.allclose(got, p), f"p = q = {p.tolist()}: with nothing of p above q the residual is p, not {weights}"
+
+
 def assert_models_distribution(emitted, model, length, what):
     assert sum(emitted.values()) == pytest.approx(1.0, abs=1e-12), f"{what}: the outcomes' probabilities sum to 1"
     try:

@@ -29,7 +29,10 @@ def test_the_calibration_chooses_the_largest_predicted_speedup(monkeypatch_machi
         f"the table has one entry per size the method can fill, {list(expected)}, not {[e['rows'] for e in table]}")
     for entry in table:
         n = entry["rows"]
-        assert entry["latency_ms"] == pytest.approx(latency[n] * 1000, abs=0.01) and entry["tau"] == pytest.approx(tau[n], abs=1e-3)
+        assert entry["latency_ms"] == pytest.approx(latency[n] * 1000, abs=0.01), (
+            f"n = {n}: the table's latency_ms is L(n) in milliseconds, {latency[n] * 1000:.2f}, not {entry['latency_ms']}")
+        assert entry["tau"] == pytest.approx(tau[n], abs=1e-3), (
+            f"n = {n}: the table's tau is tau_of_rows(n), {tau[n]:.3f}, not {entry['tau']}")
         assert entry["predicted_speedup"] == pytest.approx(expected[n], abs=1e-3), (
             f"n = {n}: tau {tau[n]:.3f}, L(n) {latency[n] * 1000:.2f} ms, L(1) {one * 1000:.2f} ms: the predicted speedup "
             f"tau(n) L(1) / L(n) is {expected[n]:.3f}, not {entry['predicted_speedup']:.3f}")
