@@ -43,6 +43,10 @@ def rms_norm_by_the_sum(x, weight, eps):  # divides by sqrt(sum(x^2)), not sqrt(
     return weight * x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def rms_norm_eps_outside_the_root(x, weight, eps):  # x / (sqrt(mean(x^2)) + eps)
+    return weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)
+
+
 # ---- a2: the KV cache ------------------------------------------------------------------------------
 
 class KeepWithoutPacking(kv_cache.KVCache):
@@ -181,6 +185,10 @@ def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # a path's w
     return chosen
 
 
+def best_sparse_tree_one_level_too_deep(accuracy, size, max_depth=None):  # max_depth counted from 0, not 1
+    return tree.best_sparse_tree(accuracy, size, None if max_depth is None else max_depth + 1)
+
+
 def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, which is no guess
     return 1 + tree.expected_accepted(accuracy, spec)
 
@@ -204,6 +212,8 @@ MISTAKES = {
     "a1/gqa-heads-modulo": Mistake("a1_llama", "grouped_attention", grouped_attention_heads_modulo,
                                    "consecutive query heads share one"),
     "a1/rms-by-the-sum": Mistake("a1_llama", "rms_norm", rms_norm_by_the_sum, "x / sqrt(mean(x^2) + eps)"),
+    "a1/eps-outside-the-root": Mistake("a1_llama", "rms_norm", rms_norm_eps_outside_the_root,
+                                       "x / sqrt(mean(x^2) + eps)"),
     "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
     "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
                                              "the layer's whole history"),
@@ -236,6 +246,8 @@ MISTAKES = {
                                "the largest tau(n) L(1) / L(n)"),
     "a9/ratio-upside-down": Mistake("a9_capstone", "calibrate", calibrate_with_the_ratio_upside_down,
                                     "predicted speedup tau(n) L(1) / L(n)"),
+    "a8/one-level-too-deep": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_one_level_too_deep,
+                                     "no node deeper than"),
     "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,
                                "the root is no guess"),
 }

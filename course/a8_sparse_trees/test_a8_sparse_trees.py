@@ -1,6 +1,7 @@
 """Grader of a8: a node of rank path (r1, .., rd) is accepted with the product of its ranks' accuracies,
 a tree's expected accepted guesses are the sum over its nodes (PPD proposition 4.1), and your sparse tree
-of n nodes is the best of all prefix-closed trees of n nodes (brute force; Medusa section 2.1.2)."""
+of n nodes is the best of all prefix-closed trees of n nodes at most max_depth deep (brute force; Medusa
+section 2.1.2)."""
 
 import itertools
 import math
@@ -36,10 +37,13 @@ def test_the_expected_accepted_guesses_sum_over_the_nodes(accuracy, data):
         f"acceptance probabilities, {expected:.4f}, not {got:.4f} (the root is no guess: an empty tree gives 0)")
 
 
-@given(accuracy_tables, st.integers(0, 5))
-def test_your_tree_is_the_best_tree_of_its_size(accuracy, size):
-    spec = [tuple(p) for p in best_sparse_tree(accuracy, size)]
-    paths = all_paths(accuracy, len(accuracy))
+@given(accuracy_tables, st.integers(0, 5), st.none() | st.integers(0, 3))
+def test_your_tree_is_the_best_tree_of_its_size(accuracy, size, max_depth):
+    spec = [tuple(p) for p in best_sparse_tree(accuracy, size, max_depth)]
+    depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
+    too_deep = [p for p in spec if len(p) > depth]
+    assert too_deep == [], f"max_depth {max_depth}: no node deeper than {depth}, but {too_deep} are"
+    paths = all_paths(accuracy, depth)
     assert len(spec) == min(size, len(paths)) and len(set(spec)) == len(spec), (
         f"{size} distinct nodes (or all {len(paths)} there are), not {spec}")
     assert all(p[:-1] == () or p[:-1] in spec[:i] for i, p in enumerate(spec)), f"{spec}: a node's parent comes first"
@@ -48,5 +52,6 @@ def test_your_tree_is_the_best_tree_of_its_size(accuracy, size):
                           if all(p[:-1] == () or p[:-1] in subset for p in subset))
     value = sum(math.prod(accuracy[d][r] for d, r in enumerate(p)) for p in spec)
     assert value == pytest.approx(best), (
-        f"accuracy {accuracy}: the best tree of {len(spec)} nodes, {list(best_spec)}, accepts {best:.4f} guesses on "
+        f"accuracy {accuracy}, max_depth {max_depth}: the best tree of {len(spec)} nodes, {list(best_spec)}, accepts "
+        f"{best:.4f} guesses on "
         f"average; yours, {spec}, accepts {value:.4f} (a node's worth is the product of the accuracies on its path)")
