@@ -101,6 +101,15 @@ def generate_without_packing(*args, **kwargs):
         decode.KVCache = original
 
 
+def generate_with_a_greedy_prefill(*args, **kwargs):  # the first token is the argmax even when sampling
+    original = decode.choose_token
+    decode.choose_token = lambda logits, sampling, generator=None: int(logits.argmax())
+    try:
+        return decode.generate(*args, **kwargs)
+    finally:
+        decode.choose_token = original
+
+
 # ---- a5: ANPD's multi-level n-grams --------------------------------------------------------------
 
 class ShortestContextFirst(drafters.MultiLevelNGram):
@@ -226,6 +235,8 @@ MISTAKES = {
                                     "a deeper path of right guesses"),
     "a4/keep-without-packing": Mistake("a4_greedy_loop", "generate", generate_without_packing,
                                        "differs from vanilla greedy"),
+    "a4/greedy-prefill": Mistake("a4_greedy_loop", "generate", generate_with_a_greedy_prefill,
+                                 "not chosen greedily"),
     "a5/shortest-context": Mistake("a5_ngrams", "MultiLevelNGram", ShortestContextFirst,
                                    "the longest context seen before"),
     "a5/first-seen-wins-ties": Mistake("a5_ngrams", "MultiLevelNGram", FirstSeenWinsTies,

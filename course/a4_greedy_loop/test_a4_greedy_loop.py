@@ -1,14 +1,18 @@
 """Grader of a4: greedy verification accepts exactly the deepest path of guesses that are the model's
 own choices (brute force over every node), and your loop, with any drafter, gives vanilla greedy's
-tokens, also when the accepted path is not the first nodes of the tree."""
+tokens, also when the accepted path is not the first nodes of the tree; when sampling, its first token
+follows the model's distribution (chi-square)."""
+
+from collections import Counter
 
 import torch
-from helpers import (VOCAB_OF_TREES, WrongBranchFirst, assert_decodes_as_naive_greedy, cheap, naive_greedy, path_to,
-                     tiny_model, trees)
+from helpers import (VOCAB_OF_TREES, WrongBranchFirst, assert_decodes_as_naive_greedy, cheap, chi_square_p_value,
+                     full_logits, naive_greedy, path_to, tiny_model, trees)
 from hypothesis import given, strategies as st
 
 import adapters
 from drafters import Drafter, NGramDrafter, TrieDrafter
+from sampling import Sampling
 
 verify_greedy = adapters.implementation("a4_greedy_loop", "verify_greedy")
 longest_path = adapters.implementation("a4_greedy_loop", "longest_path")
@@ -59,3 +63,18 @@ def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter():
         for drafter in [Drafter(), NGramDrafter(), TrieDrafter(decoding_length=8, branch_length=4),
                         WrongBranchFirst(vanilla, model.config.vocab_size)]:
             assert_decodes_as_naive_greedy(generate, model, prompt, 24, drafter, "your loop")
+
+
+def test_when_sampling_the_first_token_follows_the_models_distribution():
+    model, prompt, draws = tiny_model(2), [3, 1, 4, 1, 5], 1500
+    p = torch.softmax(full_logits(model, prompt)[-1], dim=-1)  # temperature 1: the model's own distribution
+    expected = {token: float(q) for token, q in enumerate(p)}
+    generator = torch.Generator().manual_seed(0)
+    counts = Counter(generate(model, prompt, max_new_tokens=1, eos_ids=set(), sampling=Sampling(temperature=1.0),
+                              generator=generator).token_ids[0] for _ in range(draws))
+    p_value = chi_square_p_value(counts, expected)
+    most = sorted(expected, key=lambda token: -expected[token])[:4]
+    assert p_value > 1e-4, (
+        f"{draws} runs at temperature 1: the first new token (the prefill's) must be drawn from the model's p, "
+        f"not chosen greedily; p-value {p_value:.2g}; " + ", ".join(
+            f"token {t}: expected {expected[t] * draws:.0f}, got {counts[t]}" for t in most))
