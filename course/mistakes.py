@@ -178,6 +178,20 @@ class CountsOneTokenTooFew(drafters.Trie):
             self.depth += 1
 
 
+class RetrievesRepeatedBranches(drafters.TrieDrafter):
+    def retrieve(self):  # each context's branches appended, also those a longer context already gave
+        branches, tokens = [], 0
+        for length in self.PREFIX_LENGTHS:
+            node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
+            if node is not None:
+                found = self.best_branches(node)
+                branches += found
+                tokens += sum(map(len, found))
+            if tokens >= self.decoding_length:
+                break
+        return branches
+
+
 class ShortestContextRetrievedFirst(drafters.TrieDrafter):
     PREFIX_LENGTHS = (1, 2, 3, 4)  # retrieval tries the shortest context first
 
@@ -251,6 +265,7 @@ MISTAKES = {
     "a7/counts-one-token-too-few": Mistake("a7_trie", "Trie", CountsOneTokenTooFew, "each occurrence once"),
     "a7/shortest-context-first": Mistake("a7_trie", "TrieDrafter", ShortestContextRetrievedFirst,
                                          "that branch comes first"),
+    "a7/repeated-branches": Mistake("a7_trie", "TrieDrafter", RetrievesRepeatedBranches, "more than once"),
     "a8/last-rank-only": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_by_last_rank,
                                  "the best tree of"),
     "a9/most-guesses": Mistake("a9_capstone", "calibrate", calibrate_for_the_most_guesses,

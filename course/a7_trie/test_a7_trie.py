@@ -87,6 +87,15 @@ def test_retrieval_starts_with_the_longest_matching_context():
         f"before those of the shorter context (2,), even though 9 followed (2,) more often; not {branches[:1]}")
 
 
+def test_retrieval_returns_each_branch_once():
+    # after (5, 6) and after (6,) alike the prompt continued with 7, 8, 9, 5: one branch, not two
+    branches = retrieved([5, 6, 7, 8, 9, 5, 6, 3], [5, 6], decoding_length=12)
+    repeated = sorted({tuple(b) for b in branches if branches.count(b) > 1})
+    assert repeated == [], (
+        f"history ...5, 6: {branches} holds {[list(b) for b in repeated]} more than once; a shorter context often "
+        "retrieves what a longer one did, and a repeated branch spends the decoding length on nothing new")
+
+
 def test_retrieval_falls_back_to_shorter_contexts():
     # the history ends with (1, 2); (1, 2) was never seen, (2,) was, followed by 4 4 and by 8
     branches = retrieved([2, 4, 4, 0, 2, 8], [1, 2])
