@@ -39,6 +39,14 @@ def grouped_attention_heads_modulo(q, k, v, mask):  # query head h uses K/V head
     return model.grouped_attention(q, k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1), mask)
 
 
+def rotary_cos_sin_of_the_first_row(inv_freq, positions, dtype):  # every row of a batch at row 0's positions
+    return model.rotary_cos_sin(inv_freq, positions[:1].expand_as(positions), dtype)
+
+
+def grouped_attention_with_the_first_mask(q, k, v, mask):  # a [B, T, S] mask's first row for every sequence
+    return model.grouped_attention(q, k, v, mask[0] if mask.dim() == 3 else mask)
+
+
 def rms_norm_by_the_sum(x, weight, eps):  # divides by sqrt(sum(x^2)), not sqrt(mean(x^2))
     return weight * x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -237,6 +245,10 @@ MISTAKES = {
     "a1/rms-by-the-sum": Mistake("a1_llama", "rms_norm", rms_norm_by_the_sum, "x / sqrt(mean(x^2) + eps)"),
     "a1/eps-outside-the-root": Mistake("a1_llama", "rms_norm", rms_norm_eps_outside_the_root,
                                        "x / sqrt(mean(x^2) + eps)"),
+    "a1/rope-first-row-positions": Mistake("a1_llama", "rotary_cos_sin", rotary_cos_sin_of_the_first_row,
+                                           "must turn by its own positions"),
+    "a1/gqa-first-mask": Mistake("a1_llama", "grouped_attention", grouped_attention_with_the_first_mask,
+                                 "must attend where mask["),
     "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
     "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
                                              "the layer's whole history"),

@@ -58,6 +58,19 @@ def test_rope_turns_each_pair_by_position_times_its_frequency(seed, positions):
         f"not {float(expected[0, 0, t, e]):.6f}")
 
 
+@given(seeds, st.lists(st.integers(0, 500), min_size=2, max_size=2), st.integers(1, 4))
+def test_each_row_of_a_batch_turns_by_its_own_positions(seed, starts, length):
+    inv_freq = 10000.0 ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    positions = [list(range(start, start + length)) for start in starts]  # two sequences, B = 2
+    x = randn(2, 2, length, 8, seed=seed)
+    cos, sin = rotary_cos_sin(inv_freq, torch.tensor(positions), torch.float64)
+    assert tuple(cos.shape) == (2, 1, length, 8), f"for B = 2, cos and sin are [B, 1, T, E], not {tuple(cos.shape)}"
+    got = apply_rotary(x, cos, sin)
+    for b in range(2):
+        assert torch.allclose(got[b], rotated(x[b], positions[b], inv_freq), atol=1e-9), (
+            f"positions {positions}: row {b} of the batch must turn by its own positions {positions[b]}")
+
+
 @given(seeds, st.integers(0, 200), st.integers(0, 200), st.integers(0, 200))
 def test_a_rotated_score_depends_on_the_positions_difference_only(seed, m, n, shift):
     inv_freq = 10000.0 ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8)
@@ -93,6 +106,19 @@ def test_grouped_attention_is_attention_with_shared_key_value_heads(seed, heads,
     assert not wrong, (f"H = {H} query heads, K = {K} K/V heads: query head {wrong[0]} must use K/V head "
                        f"{wrong[0] // (H // K)} (G = H / K consecutive query heads share one), scores scaled by "
                        f"1/sqrt(E), masked, softmaxed")
+
+
+@given(seeds, st.integers(1, 4), st.integers(0, 4))
+def test_each_row_of_a_batch_is_masked_by_its_own_mask(seed, new, cached):
+    q, k, v = randn(2, 4, new, 8, seed=seed), randn(2, 2, cached + new, 8, seed=seed + 1), randn(2, 2, cached + new, 8, seed=seed + 2)
+    causal = torch.ones(new, cached + new, dtype=torch.bool).tril(cached)
+    own = torch.zeros_like(causal)
+    own[torch.arange(new), cached + torch.arange(new)] = True  # every row sees itself, at least
+    mask = torch.stack([causal, causal & (torch.arange(cached + new) % 2 == 0) | own])
+    got = grouped_attention(q, k, v, mask)  # mask [B, T, S]: each sequence its own (APAR's threads)
+    for b in range(2):
+        assert torch.allclose(got[b:b + 1], naive_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b]), atol=1e-10), (
+            f"a [B, T, S] mask: row {b} of the batch must attend where mask[{b}] allows, {mask[b].int().tolist()}")
 
 
 def test_the_model_with_your_functions_is_transformers_llama(monkeypatch, tmp_path):
