@@ -109,6 +109,12 @@ def generate_without_packing(*args, **kwargs):
         decode.KVCache = original
 
 
+def generate_without_counting_the_prefill(*args, **kwargs):  # counts the loop's passes, not the prefill
+    generation = decode.generate(*args, **kwargs)
+    generation.counts.forward_passes -= 1
+    return generation
+
+
 def generate_with_a_greedy_prefill(*args, **kwargs):  # the first token is the argmax even when sampling
     original = decode.choose_token
     decode.choose_token = lambda logits, sampling, generator=None: int(logits.argmax())
@@ -261,6 +267,8 @@ MISTAKES = {
                                     "a deeper path of right guesses"),
     "a4/keep-without-packing": Mistake("a4_greedy_loop", "generate", generate_without_packing,
                                        "differs from vanilla greedy"),
+    "a4/prefill-not-counted": Mistake("a4_greedy_loop", "generate", generate_without_counting_the_prefill,
+                                      "the prefill too"),
     "a4/greedy-prefill": Mistake("a4_greedy_loop", "generate", generate_with_a_greedy_prefill,
                                  "not chosen greedily"),
     "a5/shortest-context": Mistake("a5_ngrams", "MultiLevelNGram", ShortestContextFirst,

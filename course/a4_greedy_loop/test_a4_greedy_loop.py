@@ -1,7 +1,7 @@
 """Grader of a4: greedy verification accepts exactly the deepest path of guesses that are the model's
 own choices (brute force over every node), and your loop, with any drafter, gives vanilla greedy's
-tokens, also when the accepted path is not the first nodes of the tree; when sampling, its first token
-follows the model's distribution (chi-square)."""
+tokens, also when the accepted path is not the first nodes of the tree, and counts every pass and guess;
+when sampling, its first token follows the model's distribution (chi-square)."""
 
 from collections import Counter
 
@@ -78,3 +78,16 @@ def test_when_sampling_the_first_token_follows_the_models_distribution():
         f"{draws} runs at temperature 1: the first new token (the prefill's) must be drawn from the model's p, "
         f"not chosen greedily; p-value {p_value:.2g}; " + ", ".join(
             f"token {t}: expected {expected[t] * draws:.0f}, got {counts[t]}" for t in most))
+
+
+def test_your_loop_counts_every_pass_and_guess():
+    model, prompt = tiny_model(0), [1, 2, 3, 1, 2, 3, 1, 2]
+    passes = []
+    gen = generate(model, prompt, max_new_tokens=24, eos_ids=set(), drafter=NGramDrafter(), on_pass=passes.append)
+    seen = {"forward_passes": len(passes) + 1, "guesses_proposed": sum(p.guesses_proposed for p in passes),
+            "guesses_accepted": sum(p.guesses_kept for p in passes), "rejections": sum(p.rejected for p in passes)}
+    counted = {name: getattr(gen.counts, name) for name in seen}
+    assert counted == seen, (
+        f"your Generation.counts {counted}, but on_pass saw {seen}: count every forward pass (the prefill too, "
+        "which yields the first token but verifies no guess), the guesses each pass sent, those that became "
+        "output, and the passes that ended at a rejected guess")
