@@ -313,7 +313,6 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
 
-
 def add_method_options(p: argparse.ArgumentParser) -> None:
     """Each method's own options from the registry, grouped under its paper."""
     added = set()
@@ -328,7 +327,6 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
             added.add(dest)
 
 
-
 def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
     """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
     A method's own options act only with that method (one of `methods`, those asked for)."""
@@ -339,10 +337,8 @@ def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
             raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")
 
 
-
 def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
-
 
 
 def load(args, method: Method):

@@ -19,7 +19,6 @@ class Prompt:
     where: str  # named in messages: "--prompt", "standard input" or FILE:LINE
 
 
-
 def read_prompts(args) -> list[Prompt]:
     if args.prompt is not None:
         return [checked(Prompt(args.prompt, "--prompt"))]
@@ -30,14 +29,12 @@ def read_prompts(args) -> list[Prompt]:
     return [checked(Prompt(utf8(sys.stdin.buffer.read(), "standard input"), "standard input"))]
 
 
-
 def utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{where} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
                         "save it as UTF-8") from None
-
 
 
 def checked(prompt: Prompt) -> Prompt:
@@ -50,7 +47,6 @@ def checked(prompt: Prompt) -> Prompt:
     if not prompt.text.strip():
         raise UserError(f"{prompt.where}: the prompt is empty")
     return prompt
-
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
@@ -72,7 +68,6 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     if not prompts:
         raise UserError(f"{path} holds no prompts")
     return prompts
-
 
 
 def prompt_ids(args, prompt: Prompt, model, tokenizer) -> list[int]:

@@ -149,8 +149,6 @@ def answer_features(model, records) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(hidden), torch.cat(targets)
 
 
-
-
 def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """answer_features, computed once per data file and kept beside it (the base model is frozen)."""
     if path.is_file():

@@ -6,6 +6,7 @@ grades every one and checks that its assignment's grader fails with a message th
 """
 
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -102,11 +103,8 @@ def longest_path_first_right_child(tree, is_right):  # follows the first right c
 
 
 def generate_without_packing(*args, **kwargs):
-    original, decode.KVCache = decode.KVCache, KeepWithoutPacking  # the loop keeps the wrong slots
-    try:
+    with mock.patch.object(decode, "KVCache", KeepWithoutPacking):  # the loop keeps the wrong slots
         return decode.generate(*args, **kwargs)
-    finally:
-        decode.KVCache = original
 
 
 def generate_without_counting_the_prefill(*args, **kwargs):  # counts the loop's passes, not the prefill
@@ -116,12 +114,8 @@ def generate_without_counting_the_prefill(*args, **kwargs):  # counts the loop's
 
 
 def generate_with_a_greedy_prefill(*args, **kwargs):  # the first token is the argmax even when sampling
-    original = decode.choose_token
-    decode.choose_token = lambda logits, sampling, generator=None: int(logits.argmax())
-    try:
+    with mock.patch.object(decode, "choose_token", lambda logits, sampling, generator=None: int(logits.argmax())):
         return decode.generate(*args, **kwargs)
-    finally:
-        decode.choose_token = original
 
 
 # ---- a5: ANPD's multi-level n-grams --------------------------------------------------------------
