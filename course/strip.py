@@ -1,16 +1,17 @@
 """Starters and the students' copy, cut from the reference code by assignments.py's table.
 
-    python course/strip.py              # (re)write every course/<assignment>/starter.py
-    python course/strip.py hide DIR     # the students' copy in DIR: the answers replaced by their starters,
-                                        # and no planted mistakes (each is one change from an answer)
+    python course/strip.py                          # (re)write every course/<assignment>/starter.py
+    python course/strip.py hide DIR --through A     # the students' copy for assignment A (a folder name,
+                                                    # default the first): see hide()
 
 A stub keeps the reference's signature and docstring, word for word, and raises NotImplementedError.
 A starter stubs a function as a function, and a method as a method of a subclass of the reference
 class, so everything else the class does still works. `hide` replaces the same bodies in the copy's
 own modules by calls of the student's starter code: students cannot read the answers, and the whole
-project (decode.py, the drafters, the other assignments' graders) runs on their code as they write it.
+project (decode.py, the walkthrough, the graders) runs on their code as far as it is written.
 """
 
+import argparse
 import ast
 import builtins
 import importlib
@@ -51,15 +52,19 @@ def stub(source: str, function: ast.FunctionDef, assignment: str) -> str:
                      + [f'{body_indent}raise NotImplementedError("{assignment}: implement {function.name}")'])
 
 
-def names_used(function: ast.FunctionDef) -> set[str]:
-    """Names the signature needs at definition time: annotations and defaults."""
+def names_used(function: ast.FunctionDef, whole: bool = False) -> set[str]:
+    """Names the signature needs at definition time (annotations and defaults), or with `whole` every
+    name the function reads."""
+    if whole:
+        return {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     parts = [*function.args.defaults, *[d for d in function.args.kw_defaults if d], function.returns,
              *[a.annotation for a in [*function.args.args, *function.args.kwonlyargs] if a.annotation]]
     return {n.id for part in parts if part is not None for n in ast.walk(part) if isinstance(n, ast.Name)}
 
 
-def starter(assignment: str) -> str:
-    """The text of course/<assignment>/starter.py."""
+def starter(assignment: str, answered: bool = False) -> str:
+    """The text of course/<assignment>/starter.py; `answered`: with the reference's bodies pasted in, as
+    a student who solved it would hand it in (the instructor's dry run, dry_run.py)."""
     by_module = defaultdict(list)
     for entry in ASSIGNMENTS[assignment]:
         module, qualified = entry.split(".", 1)
@@ -67,27 +72,52 @@ def starter(assignment: str) -> str:
     imports, from_names, blocks = set(), defaultdict(set), []
     for module, qualified_names in by_module.items():
         source, found = definitions(module)
+        loaded = importlib.import_module(module)
         classes = defaultdict(list)
         for qualified in qualified_names:
             function = found[qualified]
-            for name in sorted(names_used(function) - set(dir(builtins))):
-                value = getattr(importlib.import_module(module), name)
+            for name in sorted(names_used(function, whole=answered) - set(dir(builtins))):
+                if not hasattr(loaded, name):
+                    continue  # a local variable of the body
+                value = getattr(loaded, name)
                 if inspect.ismodule(value):
-                    imports.add(f"import {value.__name__}")
+                    imports.add(f"import {value.__name__}" if value.__name__ == name
+                                else f"import {value.__name__} as {name}")
                 else:  # from where it is defined: collections.abc's Sequence, not drafters'
-                    from_names[getattr(value, "__module__", module)].add(name)
+                    from_names[getattr(value, "__module__", None) or module].add(name)
+            text = whole(source, function) if answered else stub(source, function, assignment)
             if "." in qualified:
-                classes[qualified.split(".")[0]].append(stub(source, function, assignment))
+                classes[qualified.split(".")[0]].append(text)
                 imports.add(f"import {module}")
             else:
-                blocks.append(stub(source, function, assignment))
+                blocks.append(text)
         for cls, methods in classes.items():
+            from_names[module].discard(cls)  # the subclass below is the class its methods name
             blocks.append(f"class {cls}({module}.{cls}):\n" + "\n\n".join(methods))
     doc = (f'"""Assignment {assignment}: your code (see handout.md). Each stub below has the reference\'s\n'
            f'signature and docstring; replace its NotImplementedError with your implementation, then run\n\n'
            f'    python -m pytest course/{assignment}\n"""')
-    imports |= {f"from {source} import {', '.join(sorted(names))}" for source, names in from_names.items()}
-    return doc + "\n\n" + "\n".join(sorted(imports)) + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
+    imports |= {f"from {source} import {', '.join(sorted(names))}" for source, names in from_names.items() if names}
+    header = doc + ("\n\n" + "\n".join(sorted(imports)) if imports else "")
+    return header + "\n\n\n" + "\n\n\n".join(blocks) + "\n"
+
+
+def whole(source: str, function: ast.FunctionDef) -> str:
+    """The function as the reference writes it, decorators included."""
+    lines = source.splitlines()
+    first = min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
+    return "\n".join(lines[first:function.end_lineno])
+
+
+def released(assignment: str) -> str:
+    """course/<assignment>/starter.py once the assignment's answers are out: the project's own code."""
+    by_module = defaultdict(list)
+    for entry in ASSIGNMENTS[assignment]:
+        module, name = entry.split(".")[:2]
+        by_module[module] += [] if name in by_module[module] else [name]
+    imports = "\n".join(f"from {module} import {', '.join(names)}  # noqa: F401" for module, names in by_module.items())
+    return (f'"""Assignment {assignment}: released. Its answers are the project\'s own code now; your\n'
+            f'later assignments build on them."""\n\n{imports}\n')
 
 
 def forwarded(function: ast.FunctionDef) -> str:
@@ -141,32 +171,61 @@ MISTAKES = {}
 '''
 
 
-def hide(destination: Path) -> None:
-    """A students' copy of the project: every assignment's reference body replaced by a call of the
-    student's starter, so the whole project runs on the student's code as it is written."""
+def hide(destination: Path, through: str | None = None) -> None:
+    """A students' copy of the project for assignment `through` (default: the first, so every
+    assignment is the student's to write).
+
+    The assignments before it are released: their reference code stays in the copy's modules and
+    their starters import it. From `through` on, every assignment's reference body is replaced by a
+    call of the student's starter (whose stubs raise NotImplementedError until written), so the copy
+    holds no answer the student has yet to give, and no assignment's grader runs a later one's code
+    (course/dry_run.py checks that, assignment by assignment). The instructor's tools stay out: the
+    planted mistakes (each one change from an answer), their proof, and strip.py and dry_run.py
+    (which, run in the copy, would overwrite the student's starters).
+    """
+    names = list(ASSIGNMENTS)
+    through = through or names[0]
+    if through not in ASSIGNMENTS:
+        raise SystemExit(f"error: --through {through!r} is not an assignment: {', '.join(names)}")
     if destination.exists():
-        raise SystemExit(f"{destination} exists; give a new folder")
-    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache",
-                                                                      ".hypothesis", ".gpu"))
+        raise SystemExit(f"error: {destination} exists; give a new folder")
+    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".gpu", "figures"))
+    current = names.index(through)
     by_module = defaultdict(list)
-    for assignment, entries in ASSIGNMENTS.items():
-        for entry in entries:
+    for assignment in names[current:]:
+        for entry in ASSIGNMENTS[assignment]:
             module, qualified = entry.split(".", 1)
             by_module[module].append((qualified, assignment))
     for module, entries in by_module.items():
         (destination / f"{module}.py").write_text(hidden(module, entries))
+    for assignment in names[:current]:
+        (destination / "course" / assignment / "starter.py").write_text(released(assignment))
     (destination / "course_starters.py").write_text(STARTER_LOADER)
     (destination / "course" / "mistakes.py").write_text(NO_MISTAKES)
-    print(f"students' copy in {destination}: {sum(map(len, by_module.values()))} bodies now call the starters")
+    for instructors_only in ["tests/test_course.py", "course/strip.py", "course/dry_run.py"]:
+        (destination / instructors_only).unlink()
+    print(f"students' copy for {through} in {destination}: {', '.join(names[:current]) or 'no assignment'} "
+          f"released, {sum(map(len, by_module.values()))} bodies of {', '.join(names[current:])} call the starters")
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["hide"] and len(sys.argv) == 3:
-        hide(Path(sys.argv[2]))
-    elif len(sys.argv) == 1:
+def main(arguments: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", metavar="[hide]")
+    hide_parser = commands.add_parser("hide", help="write a students' copy of the project")
+    hide_parser.add_argument("destination", type=Path, help="a new folder for the copy")
+    hide_parser.add_argument("--through", metavar="ASSIGNMENT", choices=list(ASSIGNMENTS),
+                             help=f"the assignment handed out: the ones before it are released, it and the later "
+                                  f"ones are stubs (one of {', '.join(ASSIGNMENTS)}; default: the first)")
+    options = parser.parse_args(arguments)
+    if options.command == "hide":
+        hide(options.destination, options.through)
+    else:
         for name in ASSIGNMENTS:
             (COURSE / name).mkdir(exist_ok=True)
             (COURSE / name / "starter.py").write_text(starter(name))
             print(f"course/{name}/starter.py")
-    else:
-        raise SystemExit("usage: python course/strip.py [hide DIR]")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -301,6 +301,33 @@ class WrongBranchFirst(Drafter):
         self.prompt_length = len(request.prompt_ids)  # then the answer: its next token follows the root
 
 
+class RandomGuesses(Drafter):
+    """A random tree each pass, each guess right (vanilla's answer at its depth) with probability
+    `right`: chains, bushes, paths accepted deep or not at all, and paths that are not the tree's first
+    nodes. The graders use it rather than a real drafter, which may be a later assignment."""
+
+    def __init__(self, answer: list[int], vocab: int, seed: int = 0, nodes: int = 6, right: float = 0.6):
+        self.answer, self.vocab, self.nodes, self.right = answer, vocab, nodes, right
+        self.random = random.Random(seed)
+        self.max_extra_inputs = nodes - 1
+
+    def begin(self, request):
+        super().begin(request)
+        self.prompt_length = len(request.prompt_ids)
+
+    def propose(self):
+        done = len(self.history) - self.prompt_length  # new tokens so far: the root is answer[done - 1]
+        tokens, parents, depths = [self.history[-1]], [-1], [0]
+        for _ in range(self.random.randrange(self.nodes)):
+            parent = self.random.randrange(len(tokens))
+            depth = depths[parent] + 1
+            truth = self.answer[done + depth - 1] if done + depth - 1 < len(self.answer) else 0
+            tokens.append(truth if self.random.random() < self.right else self.random.randrange(self.vocab))
+            parents.append(parent)
+            depths.append(depth)
+        return Tree(tokens, parents)
+
+
 def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter):
     """The drafter's greedy output is vanilla's, token for token, stopping for the same reason."""
     vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)

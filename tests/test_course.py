@@ -8,7 +8,6 @@ import inspect
 import re
 import subprocess
 import sys
-import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,23 +17,15 @@ from helpers import ROOT
 COURSE = ROOT / "course"
 sys.path.insert(0, str(COURSE))
 
+import dry_run  # noqa: E402
 import strip  # noqa: E402
 from assignments import ASSIGNMENTS  # noqa: E402
 from mistakes import MISTAKES  # noqa: E402
 
 
 def graded(tmp_path, name, *args) -> dict[str, str]:
-    """Run the graders with `args`: {test id: its failure message, "" when it passed}."""
-    report = tmp_path / f"{name}.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
-                   cwd=ROOT, capture_output=True, text=True, timeout=600)
-    results = {}
-    for case in ElementTree.parse(report).getroot().iter("testcase"):
-        problem = case.find("failure")
-        problem = problem if problem is not None else case.find("error")
-        results[f"{case.get('classname')}::{case.get('name')}"] = "" if problem is None else (
-            (problem.get("message") or "") + "\n" + (problem.text or ""))
-    return results
+    """Run the graders here with `args`: {test id: its failure message, "" when it passed}."""
+    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args)
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +89,26 @@ def reference_bodies() -> dict[str, str]:
     return bodies
 
 
-def test_the_students_copy_has_no_answers(tmp_path):
-    subprocess.run([sys.executable, str(COURSE / "strip.py"), "hide", str(tmp_path / "copy")], check=True,
+@pytest.mark.parametrize("through", ASSIGNMENTS)
+def test_the_students_copy_has_no_answers_it_has_yet_to_give(tmp_path, through):
+    """The copy for assignment K holds no reference body of K or a later assignment, anywhere, and no
+    planted mistake; the bodies of the assignments before K (released) are in place."""
+    copy = tmp_path / "copy"
+    subprocess.run([sys.executable, str(COURSE / "strip.py"), "hide", str(copy), "--through", through], check=True,
                    capture_output=True)
     texts = {path: "\n".join(line.strip() for line in path.read_text().splitlines() if line.strip())
-             for path in (tmp_path / "copy").rglob("*") if path.suffix in (".py", ".md")}
-    shipped = [(entry, str(path.relative_to(tmp_path / "copy"))) for entry, body in reference_bodies().items()
+             for path in copy.rglob("*") if path.suffix in (".py", ".md")}
+    names = list(ASSIGNMENTS)
+    unreleased = {entry for assignment in names[names.index(through):] for entry in ASSIGNMENTS[assignment]}
+    bodies = reference_bodies()
+    shipped = [(entry, str(path.relative_to(copy))) for entry, body in bodies.items() if entry in unreleased
                for path, text in texts.items() if body in text]
     assert shipped == [], "reference bodies in the students' copy"
-    assert "class " not in (tmp_path / "copy" / "course" / "mistakes.py").read_text(), "planted mistakes shipped"
-    check = ("import tree, verify\n"
-             "for call in (lambda: tree.Tree([0], [-1]).positions(0), lambda: verify.residual_after_rejection(1, 0)):\n"
-             "    try:\n        call()\n    except NotImplementedError:\n        continue\n"
-             "    raise SystemExit('an answer is still there')\n")
-    subprocess.run([sys.executable, "-c", check], cwd=tmp_path / "copy", check=True, capture_output=True)
+    missing = [entry for entry, body in bodies.items() if entry not in unreleased
+               and not any(body in text for text in texts.values())]
+    assert missing == [], "released assignments' bodies must stay in the copy"
+    assert "class " not in (copy / "course" / "mistakes.py").read_text(), "planted mistakes shipped"
+    assert not (copy / "tests" / "test_course.py").exists(), "the instructor's proof of the graders shipped"
 
 
 def test_the_walkthrough_runs_and_shows_each_methods_step(default_model_dir):

@@ -276,3 +276,11 @@ def test_an_error_that_ctrl_c_caused_is_an_interrupt(capsys):
     assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
     with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
         errors.run_program(lambda: 1 / 0)
+
+
+def test_a_function_not_written_yet_is_one_line(capsys):
+    """In the course's students' copy, decode.py reaches a starter's stub: one line naming it."""
+    def unwritten():
+        raise NotImplementedError("a4_greedy_loop: implement generate")
+    assert errors.run_program(unwritten) == 1
+    assert capsys.readouterr().err == "error: not implemented: a4_greedy_loop: implement generate\n"

@@ -5,8 +5,6 @@ signature and docstring; replace its NotImplementedError with your implementatio
 """
 
 
-
-
 def rms_norm(x, weight, eps: float):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension (Zhang and Sennrich 2019).
     x: [..., D], weight: [D]."""

@@ -6,12 +6,12 @@ when sampling, its first token follows the model's distribution (chi-square)."""
 from collections import Counter
 
 import torch
-from helpers import (VOCAB_OF_TREES, WrongBranchFirst, assert_decodes_as_naive_greedy, cheap, chi_square_p_value,
-                     full_logits, naive_greedy, path_to, tiny_model, trees)
+from helpers import (VOCAB_OF_TREES, RandomGuesses, WrongBranchFirst, assert_decodes_as_naive_greedy, cheap,
+                     chi_square_p_value, full_logits, naive_greedy, path_to, tiny_model, trees)
 from hypothesis import given, strategies as st
 
 import adapters
-from drafters import Drafter, NGramDrafter, TrieDrafter
+from drafters import Drafter
 from sampling import Sampling
 
 verify_greedy = adapters.implementation("a4_greedy_loop", "verify_greedy")
@@ -60,8 +60,9 @@ def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter():
     for seed, prompt in [(0, [1, 2, 3, 1, 2, 3, 1, 2]), (1, [5, 4, 5, 4, 5, 4]), (3, [9, 9, 2, 9, 9, 2])]:
         model = tiny_model(seed)
         vanilla = naive_greedy(model, prompt, 24)
-        for drafter in [Drafter(), NGramDrafter(), TrieDrafter(decoding_length=8, branch_length=4),
-                        WrongBranchFirst(vanilla, model.config.vocab_size)]:
+        vocab = model.config.vocab_size
+        for drafter in [Drafter(), WrongBranchFirst(vanilla, vocab), RandomGuesses(vanilla, vocab, seed),
+                        RandomGuesses(vanilla, vocab, seed + 10, nodes=9, right=0.9)]:
             assert_decodes_as_naive_greedy(generate, model, prompt, 24, drafter, "your loop")
 
 
@@ -82,8 +83,8 @@ def test_when_sampling_the_first_token_follows_the_models_distribution():
 
 def test_your_loop_counts_every_pass_and_guess():
     model, prompt = tiny_model(0), [1, 2, 3, 1, 2, 3, 1, 2]
-    passes = []
-    gen = generate(model, prompt, max_new_tokens=24, eos_ids=set(), drafter=NGramDrafter(), on_pass=passes.append)
+    passes, drafter = [], RandomGuesses(naive_greedy(model, prompt, 24), model.config.vocab_size)
+    gen = generate(model, prompt, max_new_tokens=24, eos_ids=set(), drafter=drafter, on_pass=passes.append)
     seen = {"forward_passes": len(passes) + 1, "guesses_proposed": sum(p.guesses_proposed for p in passes),
             "guesses_accepted": sum(p.guesses_kept for p in passes), "rejections": sum(p.rejected for p in passes)}
     counted = {name: getattr(gen.counts, name) for name in seen}

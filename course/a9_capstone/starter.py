@@ -5,8 +5,6 @@ signature and docstring; replace its NotImplementedError with your implementatio
 """
 
 
-
-
 def calibrate(model, method: str, tau_of_rows) -> tuple[int, list[dict]]:
     """Measure L(n) for every n in ROWS (and L(1)), ask tau(n), pick the best tau(n) / L(n); print
     the table as it goes."""
