@@ -74,6 +74,13 @@ class WriteAtTheEnd(kv_cache.KVCache):
         return super().write(layer, slice(self.length - k.shape[2], self.length), k, v)
 
 
+class KeepKeysOnly(kv_cache.KVCache):
+    def keep(self, start, offsets):  # moves the kept keys down, and forgets that the values must move too
+        offsets = torch.as_tensor(offsets, dtype=torch.long)
+        self.keys[:, :, :, start:start + len(offsets)] = self.keys[:, :, :, start + offsets]
+        self.truncate(start + len(offsets))
+
+
 # ---- a3: tree attention mask and positions ----------------------------------------------------------
 
 class PositionsByIndex(tree.Tree):
@@ -85,6 +92,16 @@ class CausalMask(tree.Tree):
     def ancestor_mask(self):  # ordinary decoding's mask: every earlier row, not only the ancestors
         rows = len(self.tokens)
         return torch.ones(rows, rows, dtype=torch.bool).tril()
+
+
+class PositionsFromOne(tree.Tree):
+    def positions(self, cache_length, device=None):  # the root one past the cache: cache length + depth + 1
+        return torch.tensor(self.depths, device=device) + cache_length + 1
+
+
+class DescendantMask(tree.Tree):
+    def ancestor_mask(self):  # mask[i, j] set when i is an ancestor of j: the transpose
+        return super().ancestor_mask().T
 
 
 # ---- a4: greedy verification and the loop ---------------------------------------------------------
@@ -139,6 +156,24 @@ class FirstSeenWinsTies(drafters.MultiLevelNGram):
                 self.best[tuple(tokens[end - length:end])] = following
 
 
+class LevelsOneShort(drafters.MultiLevelNGram):
+    def add(self, tokens, end):  # range(1, min(n - 1, end)): contexts of N - 1 tokens are never recorded
+        self.n -= 1
+        try:
+            super().add(tokens, end)
+        finally:
+            self.n += 1
+
+
+class ContextFromTheStart(drafters.MultiLevelNGram):
+    def query(self, tokens):  # the context is the first `length` tokens, not the last
+        for length in range(min(self.n - 1, len(tokens)), 0, -1):
+            prediction = self.best.get(tuple(tokens[:length]))
+            if prediction is not None:
+                return prediction
+        return None
+
+
 # ---- a6: exact speculative sampling ----------------------------------------------------------------
 
 def verify_speculative_accepting_with_p(tree, probs, chance):  # accepts x with p(x), not p(x) / q(x)
@@ -162,6 +197,43 @@ def residual_is_p(p, q):  # after a rejection, draws from p again instead of nor
 def residual_without_a_guard(p, q):  # 0 / 0 (nan) when nothing of p is above q, as p == q up to rounding
     residual = (p - q).clamp(min=0)
     return residual / residual.sum()
+
+
+def verify_speculative_siblings_against_p(tree, probs, chance):  # each sibling is tried against p itself,
+    path = [0]                                                     # not against what rejections left of it
+    while True:
+        p = residual = probs[path[-1]]
+        for child in tree.children[path[-1]]:
+            q = verify.guess_distribution(tree, child, p)
+            if chance.accept(p[tree.tokens[child]] / q[tree.tokens[child]]):
+                path.append(child)
+                break
+            residual = verify.residual_after_rejection(residual, q)
+        else:
+            return Verdict.of(tree, path, chance.draw(residual))
+
+
+class ChanceOnlyAboveOne:
+    """The ratio p(x) / q(x) used as a test, not a probability: accept only when it exceeds 1."""
+
+    def __init__(self, chance):
+        self.chance = chance
+
+    def accept(self, probability) -> bool:
+        return float(probability) > 1
+
+    def draw(self, probs) -> int:
+        return self.chance.draw(probs)
+
+
+def verify_speculative_accepting_only_above_one(tree, probs, chance):  # accepts x when p(x) > q(x), never by chance
+    return verify.verify_speculative(tree, probs, ChanceOnlyAboveOne(chance))
+
+
+def verify_speculative_with_the_parents_q(tree, probs, chance):  # q read from the parent's row, not the guess's
+    own_q = verify.guess_distribution
+    with mock.patch.object(verify, "guess_distribution", lambda tree, node, like: own_q(tree, tree.parents[node], like)):
+        return verify.verify_speculative(tree, probs, chance)
 
 
 # ---- a7: Lookahead's trie ------------------------------------------------------------------------
@@ -204,6 +276,15 @@ class ShortestContextRetrievedFirst(drafters.TrieDrafter):
     PREFIX_LENGTHS = (1, 2, 3, 4)  # retrieval tries the shortest context first
 
 
+class StopsAtTheLongestContext(drafters.TrieDrafter):
+    def retrieve(self):  # one stage only: the longest matching context's branches, however few tokens they hold
+        for length in self.PREFIX_LENGTHS:
+            node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
+            if node is not None:
+                return self.best_branches(node)
+        return []
+
+
 # ---- a8: sparse trees from accuracies ------------------------------------------------------------
 
 def best_sparse_tree_by_last_rank(accuracy, size, max_depth=None):  # a path's worth: its last step only
@@ -224,6 +305,10 @@ def expected_accepted_counting_the_root(accuracy, spec):  # counts the root, whi
     return 1 + tree.expected_accepted(accuracy, spec)
 
 
+def path_probability_of_the_last_step(accuracy, path):  # the last rank's accuracy, not the whole chain's product
+    return accuracy[len(path) - 1][path[-1]]
+
+
 # ---- a9: the hardware-aware tree size --------------------------------------------------------------
 
 def calibrate_for_the_most_guesses(model, method, tau_of_rows):  # the largest tau(n), whatever a pass costs
@@ -235,6 +320,21 @@ def calibrate_with_the_ratio_upside_down(model, method, tau_of_rows):  # tau(n) 
     _, table = calibrate.calibrate(model, method, tau_of_rows)
     table = [entry | {"predicted_speedup": entry["tau"] ** 2 / entry["predicted_speedup"]} for entry in table]
     return max(table, key=lambda entry: entry["predicted_speedup"])["rows"], table
+
+
+def calibrate_without_dividing_by_l1(model, method, tau_of_rows):  # tau(n) / L(n): seconds, not a speedup
+    _, table = calibrate.calibrate(model, method, tau_of_rows)
+    one = calibrate.latencies(model, [1])[1]
+    table = [entry | {"predicted_speedup": round(entry["predicted_speedup"] / one, 3)} for entry in table]
+    return max(table, key=lambda entry: entry["predicted_speedup"])["rows"], table
+
+
+def calibrate_with_the_smallest_tree_as_l1(model, method, tau_of_rows):  # L(1) never measured: L(ROWS[0]) instead
+    measured = calibrate.latencies
+    with mock.patch.object(calibrate, "latencies",
+                           lambda model, sizes, **options: measured(model, sizes, **options) | {
+                               1: measured(model, [calibrate.ROWS[0]], **options)[calibrate.ROWS[0]]}):
+        return calibrate.calibrate(model, method, tau_of_rows)
 
 
 MISTAKES = {
@@ -288,6 +388,23 @@ MISTAKES = {
                                     "predicted speedup tau(n) L(1) / L(n)"),
     "a8/one-level-too-deep": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_one_level_too_deep,
                                      "no node deeper than"),
+    "a2/keep-keys-only": Mistake("a2_kv_cache", "KVCache", KeepKeysOnly, "the values move with the keys"),
+    "a3/positions-from-one": Mistake("a3_tree_mask", "Tree", PositionsFromOne, "deep, so its position must be"),
+    "a3/descendant-mask": Mistake("a3_tree_mask", "Tree", DescendantMask, "which is not its ancestor"),
+    "a5/levels-one-short": Mistake("a5_ngrams", "MultiLevelNGram", LevelsOneShort, "the longest context seen before"),
+    "a5/context-from-the-start": Mistake("a5_ngrams", "MultiLevelNGram", ContextFromTheStart, "no end of the query was seen"),
+    "a6/siblings-against-p": Mistake("a6_speculative_sampling", "verify_speculative",
+                                     verify_speculative_siblings_against_p, "distribution is not the model's"),
+    "a6/accept-only-when-p-above-q": Mistake("a6_speculative_sampling", "verify_speculative",
+                                             verify_speculative_accepting_only_above_one,
+                                             "so every pass yields its 2 guesses"),
+    "a6/the-parents-q": Mistake("a6_speculative_sampling", "verify_speculative", verify_speculative_with_the_parents_q,
+                                "accepts a guess with probability nan"),
+    "a7/stops-at-the-longest-context": Mistake("a7_trie", "TrieDrafter", StopsAtTheLongestContext, "then shorter ones"),
+    "a8/path-probability-of-the-last-step": Mistake("a8_sparse_trees", "path_probability",
+                                                    path_probability_of_the_last_step, "is accepted with"),
+    "a9/speedup-not-divided-by-l1": Mistake("a9_capstone", "calibrate", calibrate_without_dividing_by_l1, "the predicted speedup tau(n) L(1) / L(n) is"),
+    "a9/smallest-tree-as-l1": Mistake("a9_capstone", "calibrate", calibrate_with_the_smallest_tree_as_l1, "the predicted speedup tau(n) L(1) / L(n) is"),
     "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,
                                "the root is no guess"),
 }

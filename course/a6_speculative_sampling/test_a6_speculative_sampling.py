@@ -75,6 +75,17 @@ def test_a_chain_sampled_from_a_draft_model_keeps_the_models_distribution(seed, 
     assert_models_distribution(emitted, target, gamma + 1, f"a draft chain of {gamma} (seed {seed})")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_draft_identical_to_the_target_has_every_guess_accepted(seed):
+    target = random_table_model(random.Random(seed), 2)
+    emitted = draft_chain_outcomes(target, target, 2, verify_speculative)
+    short = {tokens: round(weight, 6) for tokens, weight in emitted.items() if len(tokens) != 3 and weight > 0}
+    assert not short, (f"a draft identical to the target (q = p, seed {seed}): each guess is accepted with probability "
+                       f"min(1, p(x) / q(x)) = 1, so every pass yields its 2 guesses and the bonus token; these "
+                       f"outcomes (tokens: probability) are shorter: {short}")
+    assert_models_distribution(emitted, target, 3, f"a draft identical to the target (seed {seed})")
+
+
 def test_a_seeded_run_passes_a_chi_square_test():
     rng = random.Random(7)
     target, draft = random_table_model(rng, 2, zeros=False), random_table_model(rng, 2, zeros=False)
