@@ -8,8 +8,9 @@ answer into K's starter only (as a student who solved it would hand it in), and 
 2. the next assignment's grader fails, and only with NotImplementedError of that assignment's own
    functions (so no grader runs a later assignment's code);
 3. the walkthrough runs; the cells it cannot run yet name later assignments only;
-4. the commands K's handout asks for (`python ...` in backticks, graders aside) run.
-tests/test_course.py runs it in CI.
+4. the commands K's handout asks for (`python ...` in backticks, graders aside) run;
+5. the copy passes the project's architecture tests.
+CI (.ci/run) runs it after the tests.
 """
 
 import argparse
@@ -89,6 +90,11 @@ def problems_of(assignment: str, work: Path) -> list[str]:
     problems += [f"the walkthrough's {cell}needs {needed}, which is not a later assignment"
                  for cell, needed in re.findall(r"=============== (\S+: )not run yet, it needs (\w+)", walk.stdout)
                  if needed not in following]
+
+    architecture = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "tests/test_architecture.py"], cwd=copy, capture_output=True, text=True, env=env)
+    problems += [] if architecture.returncode == 0 else [
+        f"the copy fails the project's architecture tests: {architecture.stdout.strip().splitlines()[-1]}"]
 
     for command in handout_commands(assignment):
         run = subprocess.run(command.replace("python", f'"{sys.executable}"', 1), shell=True, cwd=copy,

@@ -135,6 +135,13 @@ def generate_with_a_greedy_prefill(*args, **kwargs):  # the first token is the a
         return decode.generate(*args, **kwargs)
 
 
+def generate_telling_the_drafter_the_new_tokens_only(*args, **kwargs):  # max_length without the prompt
+    request = decode.Request
+    with mock.patch.object(decode, "Request", lambda prompt_ids, *rest, max_length: request(
+            prompt_ids, *rest, max_length=max_length - len(prompt_ids))):
+        return decode.generate(*args, **kwargs)
+
+
 # ---- a5: ANPD's multi-level n-grams --------------------------------------------------------------
 
 class ShortestContextFirst(drafters.MultiLevelNGram):
@@ -272,6 +279,16 @@ class RetrievesRepeatedBranches(drafters.TrieDrafter):
         return branches
 
 
+class RetrievesPastTheDecodingLength(drafters.TrieDrafter):
+    def retrieve(self):  # every matching context's branches, however many tokens the longer ones gave
+        branches = []
+        for length in self.PREFIX_LENGTHS:
+            node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
+            if node is not None:
+                branches += [branch for branch in self.best_branches(node) if branch not in branches]
+        return branches
+
+
 class ShortestContextRetrievedFirst(drafters.TrieDrafter):
     PREFIX_LENGTHS = (1, 2, 3, 4)  # retrieval tries the shortest context first
 
@@ -365,6 +382,9 @@ MISTAKES = {
                                       "the prefill too"),
     "a4/greedy-prefill": Mistake("a4_greedy_loop", "generate", generate_with_a_greedy_prefill,
                                  "not chosen greedily"),
+    "a4/max-length-without-the-prompt": Mistake("a4_greedy_loop", "generate",
+                                                generate_telling_the_drafter_the_new_tokens_only,
+                                                "the text may grow to"),
     "a5/shortest-context": Mistake("a5_ngrams", "MultiLevelNGram", ShortestContextFirst,
                                    "the longest context seen before"),
     "a5/first-seen-wins-ties": Mistake("a5_ngrams", "MultiLevelNGram", FirstSeenWinsTies,
@@ -379,6 +399,8 @@ MISTAKES = {
     "a7/counts-one-token-too-few": Mistake("a7_trie", "Trie", CountsOneTokenTooFew, "each occurrence once"),
     "a7/shortest-context-first": Mistake("a7_trie", "TrieDrafter", ShortestContextRetrievedFirst,
                                          "that branch comes first"),
+    "a7/retrieves-past-the-decoding-length": Mistake("a7_trie", "TrieDrafter", RetrievesPastTheDecodingLength,
+                                                     "retrieval stops there"),
     "a7/repeated-branches": Mistake("a7_trie", "TrieDrafter", RetrievesRepeatedBranches, "more than once"),
     "a8/last-rank-only": Mistake("a8_sparse_trees", "best_sparse_tree", best_sparse_tree_by_last_rank,
                                  "the best tree of"),

@@ -106,10 +106,10 @@ def caught(workspace: Path, assignment: str, module: str, source: str) -> bool:
     try:
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                               f"course/{assignment}", "--reference"], cwd=workspace, capture_output=True,
-                             text=True, timeout=600)
+                             text=True, timeout=180)  # a grader takes a minute at most
         return run.returncode != 0
     except subprocess.TimeoutExpired:
-        return True  # it ran on and on: a mistake a student would see
+        return True  # it ran on and on (a loop that never ends): a mistake a student would see
     finally:
         (workspace / f"{module}.py").write_text(original)
 

@@ -231,13 +231,17 @@ def occurrences(text, depth):
 
 def assert_trie_invariants(trie):
     counts = trie_counts(trie)
-    assert trie.node_count == len(counts)
+    assert trie.node_count == len(counts), (
+        f"node_count says {trie.node_count} nodes, but the trie holds {len(counts)} (count every node you add, "
+        f"and uncount every node pruning removes)")
     for path, (prompt, output) in counts.items():
-        assert prompt + output > 0, "a node nobody counted should be gone"
-        assert len(path) <= trie.depth
+        assert prompt + output > 0, f"the node of {list(path)} counts no occurrence: a node nobody counted should be gone"
+        assert len(path) <= trie.depth, f"the node of {list(path)} is deeper than the trie's depth {trie.depth}"
         if len(path) > 1:  # a sequence occurs at most as often as its prefix
             parent_prompt, parent_output = counts[path[:-1]]
-            assert prompt <= parent_prompt and output <= parent_output
+            assert prompt <= parent_prompt and output <= parent_output, (
+                f"{list(path)} counts (prompt, output) = ({prompt}, {output}) occurrences, more than its prefix "
+                f"{list(path[:-1])} ({parent_prompt}, {parent_output}): a sequence occurs at most as often as its prefix")
 
 
 requests = st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=20),
@@ -313,7 +317,7 @@ class RandomGuesses(Drafter):
 
     def begin(self, request):
         super().begin(request)
-        self.prompt_length = len(request.prompt_ids)
+        self.request, self.prompt_length = request, len(request.prompt_ids)
 
     def propose(self):
         done = len(self.history) - self.prompt_length  # new tokens so far: the root is answer[done - 1]

@@ -92,3 +92,16 @@ def test_your_loop_counts_every_pass_and_guess():
         f"your Generation.counts {counted}, but on_pass saw {seen}: count every forward pass (the prefill too, "
         "which yields the first token but verifies no guess), the guesses each pass sent, those that became "
         "output, and the passes that ended at a rejected guess")
+
+
+def test_your_loop_tells_the_drafter_how_long_the_text_may_grow():
+    """A drafter with a cache of its own (the draft model) sizes it by the request's max_length."""
+    model = tiny_model(0)  # its context: 64 positions
+    for prompt, max_new_tokens in [([1, 2, 3], 24), (list(range(8)) * 6, 24)]:
+        drafter = RandomGuesses(naive_greedy(model, prompt, 1), model.config.vocab_size)
+        generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set(), drafter=drafter)
+        longest = min(len(prompt) + max_new_tokens, model.config.max_positions)
+        assert drafter.request.max_length == longest, (
+            f"a prompt of {len(prompt)} tokens, max_new_tokens={max_new_tokens}, a context of "
+            f"{model.config.max_positions}: the drafter's Request must say the text may grow to {longest} tokens "
+            f"(the prompt and the new tokens, within the context), not {drafter.request.max_length}")

@@ -1,6 +1,7 @@
 """Grader of a5: after every token added, your multi-level n-gram table answers every query as a naive
 scan of everything seen does: the longest matching context wins, then its most frequent next token,
-the one seen last among equally frequent ones (ANPD section 3.2, Algorithm 2)."""
+the one seen last among equally frequent ones (ANPD section 3.2, Algorithm 2); and its counts are how
+often each token followed each context of 1..N-1 tokens."""
 
 from helpers import cheap, naive_ngram_query, ngram_evidence, text_and_queries
 from hypothesis import given, strategies as st
@@ -32,6 +33,24 @@ def test_queries_answer_as_a_naive_scan_of_everything_seen(text, n):
             got = table.query(query)
             assert got == expected, (f"N = {n}, after seeing {seen[:end + 1]}, query({query}) must be {expected}, "
                                      f"not {got}: {explanation(seen[:end + 1], query, n)}")
+
+
+@cheap
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(2, 5))
+def test_counts_say_how_often_each_token_followed_each_context(seen, n):
+    table = MultiLevelNGram(n)
+    for end in range(len(seen)):
+        table.add(seen, end)
+    contexts = {tuple(seen[start:start + length]) for length in range(1, n) for start in range(len(seen) - length)}
+    for context in contexts:
+        following = [seen[i] for i in range(len(context), len(seen)) if tuple(seen[i - len(context):i]) == context]
+        expected = {token: following.count(token) for token in following}
+        got = dict(table.counts.get(context, {}))
+        assert got == expected, (f"N = {n}, after seeing {seen}: {list(context)} was followed by {following}, so "
+                                 f"counts[{context}] must be {expected}, not {got}")
+    assert set(table.counts) <= contexts | {()}, (
+        f"N = {n}, after seeing {seen}: counts holds contexts that never occurred before a token, or are longer than "
+        f"N - 1 = {n - 1}: {sorted(set(table.counts) - contexts - {()})}")
 
 
 def test_the_longest_context_beats_a_more_frequent_short_one():

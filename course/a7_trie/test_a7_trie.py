@@ -109,3 +109,29 @@ def test_decoding_with_your_lookahead_is_vanilla_greedy(monkeypatch):
     for seed, prompt in [(0, [1, 2, 3, 1, 2, 3, 1, 2]), (1, [5, 4, 5, 4, 5, 4])]:
         assert_decodes_as_naive_greedy(decode.generate, tiny_model(seed), prompt, 24,
                                        TrieDrafter(decoding_length=8, branch_length=4), "your Lookahead")
+
+
+def test_retrieval_stops_once_the_branches_fill_the_decoding_length():
+    # after (5, 6) the prompt continued with 7, 8, 9, 1: four tokens, the whole decoding length of 4;
+    # after (6,) also with 3, 3, which must not be asked for
+    branches = retrieved([5, 6, 7, 8, 9, 1, 6, 3, 3], [5, 6], decoding_length=4)
+    assert branches == [[7, 8, 9, 1]], (
+        f"history ...5, 6, decoding length 4: the longest context (5, 6) gave [7, 8, 9, 1], 4 tokens, which fill it: "
+        f"retrieval stops there (a shorter context is tried only while the branches hold fewer tokens than the "
+        f"decoding length), not {branches}")
+    branches = retrieved([5, 6, 7, 8, 9, 1, 6, 3, 3], [5, 6], decoding_length=5)
+    assert any(branch[0] == 3 for branch in branches), (
+        f"history ...5, 6, decoding length 5: the longest context (5, 6) gave [7, 8, 9, 1], 4 tokens, one short: "
+        f"retrieval goes on to the context (6,), which was also followed by 3, 3; not {branches}")
+
+
+def test_retrieval_tries_a_context_as_long_as_the_whole_text():
+    # an earlier request's output: (1, 2, 3, 4) was followed by 7; (2, 3, 4) more often by 5
+    drafter = TrieDrafter(decoding_length=6, branch_length=4)
+    drafter.begin(Request([9]))
+    tell(drafter, [1, 2, 3, 4, 7, 2, 3, 4, 5, 2, 3, 4, 5])
+    drafter.begin(Request([1, 2, 3, 4]))  # the next request's whole text is that 4-token context
+    branches = drafter.retrieve()
+    assert branches and branches[0][0] == 7, (
+        f"a new request's text [1, 2, 3, 4] is itself the longest context, seen before followed by 7: that branch "
+        f"comes first (a context may be as long as the whole text), not {branches[:1]}")
