@@ -180,8 +180,8 @@ def hide(destination: Path, through: str | None = None) -> None:
     call of the student's starter (whose stubs raise NotImplementedError until written), so the copy
     holds no answer the student has yet to give, and no assignment's grader runs a later one's code
     (course/dry_run.py checks that, assignment by assignment). The instructor's tools stay out: the
-    planted mistakes (each one change from an answer), their proof, and strip.py and dry_run.py
-    (which, run in the copy, would overwrite the student's starters).
+    planted mistakes (each one change from an answer), their proof, strip.py and dry_run.py (which,
+    run in the copy, would overwrite the student's starters) and mutants.py.
     """
     names = list(ASSIGNMENTS)
     through = through or names[0]
@@ -203,7 +203,7 @@ def hide(destination: Path, through: str | None = None) -> None:
         (destination / "course" / assignment / "starter.py").write_text(released(assignment))
     (destination / "course_starters.py").write_text(STARTER_LOADER)
     (destination / "course" / "mistakes.py").write_text(NO_MISTAKES)
-    for instructors_only in ["tests/test_course.py", "course/strip.py", "course/dry_run.py"]:
+    for instructors_only in ["tests/test_course.py", "course/strip.py", "course/dry_run.py", "course/mutants.py"]:
         (destination / instructors_only).unlink()
     print(f"students' copy for {through} in {destination}: {', '.join(names[:current]) or 'no assignment'} "
           f"released, {sum(map(len, by_module.values()))} bodies of {', '.join(names[current:])} call the starters")

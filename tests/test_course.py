@@ -110,7 +110,9 @@ def test_the_students_copy_has_no_answers_it_has_yet_to_give(tmp_path, through):
                and not any(body in text for text in texts.values())]
     assert missing == [], "released assignments' bodies must stay in the copy"
     assert "class " not in (copy / "course" / "mistakes.py").read_text(), "planted mistakes shipped"
-    assert not (copy / "tests" / "test_course.py").exists(), "the instructor's proof of the graders shipped"
+    shipped_tools = [tool for tool in ["tests/test_course.py", "course/strip.py", "course/dry_run.py",
+                                       "course/mutants.py"] if (copy / tool).exists()]
+    assert shipped_tools == [], "the instructor's tools shipped"
 
 
 def test_the_walkthrough_runs_and_shows_each_methods_step(default_model_dir):
