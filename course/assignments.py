@@ -7,6 +7,8 @@ writes the starters from this table, and `python course/strip.py hide DIR` write
 with these bodies removed for students (see course/README.md).
 """
 
+import argparse
+
 ASSIGNMENTS = {
     "a1_llama": ["model.rms_norm", "model.rotary_cos_sin", "model.apply_rotary", "model.grouped_attention"],
     "a2_kv_cache": ["kv_cache.KVCache.write", "kv_cache.KVCache.truncate", "kv_cache.KVCache.keep"],
@@ -23,3 +25,14 @@ ASSIGNMENTS = {
 def graded_names(assignment: str) -> list[str]:
     """The names a grader asks for: each function, and each class once (its methods come with it)."""
     return list(dict.fromkeys(entry.split(".")[1] for entry in ASSIGNMENTS[assignment]))
+
+
+def assignments_asked(description: str, what: str, arguments: list[str]) -> list[str]:
+    """The assignments a course tool's command line names (every one when it names none)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("assignments", nargs="*", metavar="ASSIGNMENT",
+                        help=f"{what} (default: all of {', '.join(ASSIGNMENTS)})")
+    chosen = parser.parse_args(arguments).assignments or list(ASSIGNMENTS)
+    for unknown in set(chosen) - set(ASSIGNMENTS):
+        parser.error(f"{unknown!r} is not an assignment: {', '.join(ASSIGNMENTS)}")
+    return chosen

@@ -13,7 +13,6 @@ answer into K's starter only (as a student who solved it would hand it in), and 
 CI (.ci/run) runs it after the tests.
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -27,7 +26,7 @@ COURSE = Path(__file__).resolve().parent
 sys.path[:0] = [str(COURSE.parent), str(COURSE)]
 
 import strip  # noqa: E402
-from assignments import ASSIGNMENTS  # noqa: E402
+from assignments import ASSIGNMENTS, assignments_asked  # noqa: E402
 from convert import default_model_dir  # noqa: E402
 
 HANDOUT_COMMAND = re.compile(r"`(python (?!-m pytest)[^`]+)`")
@@ -105,12 +104,7 @@ def problems_of(assignment: str, work: Path) -> list[str]:
 
 
 def main(arguments: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("assignments", nargs="*", metavar="ASSIGNMENT",
-                        help=f"which to hand out (default: all of {', '.join(ASSIGNMENTS)})")
-    chosen = parser.parse_args(arguments).assignments or list(ASSIGNMENTS)
-    for unknown in set(chosen) - set(ASSIGNMENTS):
-        parser.error(f"{unknown!r} is not an assignment: {', '.join(ASSIGNMENTS)}")
+    chosen = assignments_asked(__doc__.split("\n\n")[0], "which to hand out", arguments)
     failed = 0
     with tempfile.TemporaryDirectory() as work:
         for assignment in chosen:

@@ -11,7 +11,6 @@ the reference (no output can differ, as a bounds check that the caller never tri
 grader. course/mistakes.py holds the hand-written mistakes, each with the message it must get.
 """
 
-import argparse
 import ast
 import copy
 import os
@@ -28,8 +27,8 @@ COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
-from assignments import ASSIGNMENTS  # noqa: E402
-from strip import definitions  # noqa: E402
+from assignments import ASSIGNMENTS, assignments_asked  # noqa: E402
+from strip import NOT_COPIED, definitions  # noqa: E402
 
 SWAPPED = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
            ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
@@ -125,17 +124,11 @@ def graded_in_a_free_workspace(free: queue.Queue, assignment: str, module: str, 
 
 
 def main(arguments: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("assignments", nargs="*", metavar="ASSIGNMENT",
-                        help=f"whose functions to mutate (default: all of {', '.join(ASSIGNMENTS)})")
-    chosen = parser.parse_args(arguments).assignments or list(ASSIGNMENTS)
-    for unknown in set(chosen) - set(ASSIGNMENTS):
-        parser.error(f"{unknown!r} is not an assignment: {', '.join(ASSIGNMENTS)}")
+    chosen = assignments_asked(__doc__.split("\n\n")[0], "whose functions to mutate", arguments)
     with tempfile.TemporaryDirectory() as work:
         workspaces = [Path(work) / f"copy{i}" for i in range(2)]
         for workspace in workspaces:
-            shutil.copytree(ROOT, workspace, ignore=shutil.ignore_patterns(
-                ".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", "figures"))
+            shutil.copytree(ROOT, workspace, ignore=NOT_COPIED)
         free = queue.Queue()
         for workspace in workspaces:
             free.put(workspace)

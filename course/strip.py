@@ -171,6 +171,10 @@ MISTAKES = {}
 '''
 
 
+NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache",
+                                    ".gpu", "figures")  # the repository's history, caches and outputs
+
+
 def hide(destination: Path, through: str | None = None) -> None:
     """A students' copy of the project for assignment `through` (default: the first, so every
     assignment is the student's to write).
@@ -189,8 +193,7 @@ def hide(destination: Path, through: str | None = None) -> None:
         raise SystemExit(f"error: --through {through!r} is not an assignment: {', '.join(names)}")
     if destination.exists():
         raise SystemExit(f"error: {destination} exists; give a new folder")
-    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".gpu", "figures"))
+    shutil.copytree(ROOT, destination, ignore=NOT_COPIED)
     current = names.index(through)
     by_module = defaultdict(list)
     for assignment in names[current:]:
