@@ -5,7 +5,6 @@ from the reference, and its students' copy really has the answers removed."""
 
 import ast
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -25,9 +24,9 @@ from mistakes import MISTAKES  # noqa: E402
 
 
 def graded(tmp_path, name, *args) -> dict[str, str]:
-    """Run the graders here with `args`: {test id: its failure message, "" when it passed}. Two run at
-    once, each on one thread: two torch processes of two threads each on two cores run 10x slower."""
-    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    """Run the graders here with `args`: {test id: its failure message, "" when it passed} (two at once:
+    each grader runs torch on one thread, course/conftest.py)."""
+    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args)
 
 
 @pytest.fixture(scope="module")
