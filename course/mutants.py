@@ -36,7 +36,8 @@ SWAPPED = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, a
 
 
 def changes(node: ast.AST) -> Iterator[tuple[str, callable]]:
-    """(what, apply) for each one-step change of this node; apply(node) mutates a copy of it in place."""
+    """(what, apply) for each one-step change of this node; apply(node) mutates a copy of it in place.
+    `what` starts with the line changed when that is not the node's own (a statement left out)."""
     def swap(attribute, index=None):
         def apply(target):
             if index is None:
@@ -65,7 +66,7 @@ def changes(node: ast.AST) -> Iterator[tuple[str, callable]]:
         if isinstance(statements, list) and len(statements) > 1:
             for index, statement in enumerate(statements):
                 if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)):
-                    yield (f"without `{ast.unparse(statement).splitlines()[0]}`",
+                    yield (f"line {statement.lineno}: without `{ast.unparse(statement).splitlines()[0]}`",
                            lambda target, field=field, index=index: getattr(target, field).pop(index))
 
 
@@ -95,7 +96,8 @@ def mutants(assignment: str) -> Iterator[tuple[str, str, str]]:
                     compile(text, module, "exec")
                 except SyntaxError:  # a body left empty, say
                     continue
-                yield module, f"{qualified} line {getattr(node, 'lineno', '?')}: {what}", text
+                where = "" if what.startswith("line ") else f"line {node.lineno}: "
+                yield module, f"{qualified} {where}{what}", text
 
 
 def caught(workspace: Path, assignment: str, module: str, source: str) -> bool:
