@@ -27,7 +27,7 @@ ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
 from assignments import ASSIGNMENTS, assignments_asked  # noqa: E402
-from strip import NOT_COPIED, definitions  # noqa: E402
+from strip import NOT_COPIED, definitions, first_line  # noqa: E402
 
 SWAPPED = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
            ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
@@ -73,9 +73,8 @@ def changes(node: ast.AST) -> Iterator[tuple[str, callable]]:
 def replaced(source: str, function: ast.FunctionDef, mutated: ast.FunctionDef) -> str:
     """The module's source with `function` written as `mutated`."""
     lines = source.splitlines()
-    first = min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
     indent = " " * function.col_offset
-    lines[first:function.end_lineno] = [indent + line if line else line for line in ast.unparse(mutated).splitlines()]
+    lines[first_line(function):function.end_lineno] = [indent + line if line else line for line in ast.unparse(mutated).splitlines()]
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
-from assignments import ASSIGNMENTS  # noqa: E402
+from assignments import ASSIGNMENTS, graded_names  # noqa: E402
 
 
 def definitions(module: str) -> tuple[str, dict[str, ast.AST]]:
@@ -40,10 +40,15 @@ def definitions(module: str) -> tuple[str, dict[str, ast.AST]]:
     return source, found
 
 
+def first_line(function: ast.FunctionDef) -> int:
+    """The index of the function's first source line, its decorators included."""
+    return min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
+
+
 def stub(source: str, function: ast.FunctionDef, assignment: str) -> str:
     """The function's decorators, header and docstring as written, then a NotImplementedError body."""
     lines = source.splitlines()
-    first = min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
+    first = first_line(function)
     docstring = function.body[0]
     if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
         raise SystemExit(f"{function.name} has no docstring: a stub needs one")
@@ -104,17 +109,15 @@ def starter(assignment: str, answered: bool = False) -> str:
 
 def whole(source: str, function: ast.FunctionDef) -> str:
     """The function as the reference writes it, decorators included."""
-    lines = source.splitlines()
-    first = min([d.lineno for d in function.decorator_list] + [function.lineno]) - 1
-    return "\n".join(lines[first:function.end_lineno])
+    return "\n".join(source.splitlines()[first_line(function):function.end_lineno])
 
 
 def released(assignment: str) -> str:
     """course/<assignment>/starter.py once the assignment's answers are out: the project's own code."""
+    module_of = {entry.split(".")[1]: entry.split(".")[0] for entry in ASSIGNMENTS[assignment]}
     by_module = defaultdict(list)
-    for entry in ASSIGNMENTS[assignment]:
-        module, name = entry.split(".")[:2]
-        by_module[module] += [] if name in by_module[module] else [name]
+    for name in graded_names(assignment):
+        by_module[module_of[name]].append(name)
     imports = "\n".join(f"from {module} import {', '.join(names)}  # noqa: F401" for module, names in by_module.items())
     return (f'"""Assignment {assignment}: released. Its answers are the project\'s own code now; your\n'
             f'later assignments build on them."""\n\n{imports}\n')
