@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from errors import UserError
+from staging import staged_file
 
 SHIPPED = Path(__file__).resolve().parent / "trained"  # artifacts for the default model, in the repository
 
@@ -34,24 +35,12 @@ def model_fingerprint(model) -> dict:
     return model.fingerprint
 
 
-@contextmanager
-def written_atomically(path: Path) -> Iterator[Path]:
-    """A temporary name beside `path` to write to, renamed to `path` once the writing is done and
-    removed if it fails (Ctrl-C, a full disk): never a half-written file under the real name."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        yield tmp
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """path.safetensors + path.json, each written whole to a temporary name first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(path.with_suffix(".safetensors")) as tmp:
+    with staged_file(path.with_suffix(".safetensors")) as tmp:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp)
-    with written_atomically(path.with_suffix(".json")) as tmp:
+    with staged_file(path.with_suffix(".json")) as tmp:
         tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 

@@ -73,7 +73,7 @@ import apar
 import bench_data
 from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
-from artifacts import load as load_artifact, shipped_artifact, written_atomically
+from artifacts import load as load_artifact, shipped_artifact
 from calibrate import cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
@@ -85,6 +85,7 @@ from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX
                      apar_guesser, build_drafter, default_options)
 from model import DTYPES, load_checkpoint, parse_device
 from sampling import Sampling
+from staging import staged_file
 from tokenizer import Tokenizer
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
@@ -693,7 +694,7 @@ class Report:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with written_atomically(path) as tmp:
+        with staged_file(path) as tmp:
             tmp.write_text(json.dumps(self.results, indent=1) + "\n", encoding="utf-8")
 
 

@@ -4,8 +4,8 @@ A guess-and-verify step over n inputs yields tau(n) tokens and costs L(n), one f
 inputs. tau(n) depends on the method and the text, not on the machine; L(n) depends on the machine
 and dtype only. The best size maximises tau(n) / L(n) (PPD's Speedup(n)):
 
-- L(n) is measured here: one forward pass over n new inputs after 256 cached tokens, the median of 3
-  interleaved rounds of the median of 5;
+- L(n) is measured here (latency.latencies): one forward pass over n new inputs after 256 cached
+  tokens, a low quantile of 3 rounds of 5 passes, the sizes interleaved pass by pass;
 - tau(n) for Medusa and PPD is predicted from the held-out accuracies saved with their trained
   weights (1 + the expected accepted length of the best sparse tree of n inputs, tree.py);
 - tau(n) for ANPD and Lookahead, whose guesses come from the text itself, is measured by decoding a
@@ -16,10 +16,11 @@ and dtype only. The best size maximises tau(n) / L(n) (PPD's Speedup(n)):
 when no size is given.
 
 Cost-aware drafting (cost_aware.py) needs L(n) itself, per step: `machine_latency` measures it once
-per machine, device, dtype and model (a few seconds) and keeps it in the cache too.
+per machine, device, dtype and model and saves it in the cache's latency.json; each run corrects it
+from its own passes (latency.OnlineLatency) and `save_measured` writes what it measured well back
+(latency.py tells the whole story).
 """
 
-import json
 import os
 import platform
 import statistics
@@ -28,18 +29,24 @@ import time
 
 import torch
 
-from artifacts import model_fingerprint, written_atomically
+from artifacts import model_fingerprint
 from convert import cache_root
-from cost_aware import Latency
 from decode import generate, score_tree
 from errors import TooFewRows
 from kv_cache import KVCache
+from latency import Latency, OnlineLatency
+from progress import Progress
+from staging import locked, read_saved, write_saved
 from tree import Tree
 from verify import verify_greedy
 
 ROWS = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
-LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # where machine_latency measures L(n) (then extrapolates)
-CACHED = 256
+LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # where L(n) is measured once (then extrapolated)
+CACHED = 256  # tokens in the cache while L(n) is measured
+ROUNDS, PASSES_PER_ROUND = 3, 5
+LOW_QUANTILE = 0.2  # of a size's passes: load only adds time, so the low end is the machine's own
+ROUNDS_AGREE = 1.25  # the most that two rounds' medians of a size may differ, for a table to be saved
+FAR_OFF = 1.5  # a saved entry this far (either way) from a size this run measured well is replaced
 PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary, arithmetic
     "What are three good habits for staying healthy while working from home?",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -49,6 +56,8 @@ PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary,
 ]
 NEW_TOKENS = 64
 
+
+# ---- L(n) --------------------------------------------------------------------------------
 
 def forward_latency(model, rows: int, cached: int = CACHED, reps: int = 5) -> float:
     """Seconds for one forward pass over `rows` new inputs after `cached` tokens, logits included."""
@@ -64,32 +73,70 @@ def prefilled_cache(model, cached: int, room: int) -> KVCache:
     return cache
 
 
-def step_latency(model, cache: KVCache, rows: int, reps: int, whole_step: bool = False) -> float:
-    """The median seconds of `reps` passes over `rows` new inputs after what `cache` holds (left as it
-    was). `whole_step`: a pass of decode.generate's loop, not only the model's: a chain of `rows`
-    guesses, its mask and positions, the forward pass and logits, greedy verification, and keeping
-    the accepted path's K/V (what cost-aware drafting pays per pass)."""
+def timed_pass(model, cache: KVCache, rows: int, whole_step: bool = False) -> float:
+    """Seconds of one pass over `rows` new inputs after what `cache` holds (left as it was).
+    `whole_step`: a pass of decode.generate's loop, not only the model's: a chain of `rows` guesses,
+    its mask and positions, the forward pass and logits, greedy verification, and keeping the accepted
+    path's K/V (what cost-aware drafting pays per pass)."""
     cached = cache.length
     tokens = torch.randint(0, model.config.vocab_size, (rows,)).tolist()
-    tree = Tree.chain(tokens[0], tokens[1:])
-    new = torch.tensor([tokens], device=model.device)
-    positions = torch.arange(cached, cached + rows, device=model.device)
-
-    def step():
-        started = time.perf_counter()
+    started = time.perf_counter()
+    with torch.inference_mode():
         if whole_step:
+            tree = Tree.chain(tokens[0], tokens[1:])
             logits = model.logits(score_tree(model, cache, tree))
             cache.keep(cached, verify_greedy(tree, logits).path)
         else:
-            model(new, positions=positions, cache=cache, slots=cache.claim(rows))
+            model(torch.tensor([tokens], device=model.device), cache=cache, slots=cache.claim(rows),
+                  positions=torch.arange(cached, cached + rows, device=model.device))
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        cache.truncate(cached)
-        return time.perf_counter() - started
-    with torch.inference_mode():
-        step()  # warm-up: the first pass at a new size allocates and picks kernels
-        return statistics.median(step() for _ in range(reps))
+    cache.truncate(cached)
+    return time.perf_counter() - started
 
+
+def step_latency(model, cache: KVCache, rows: int, reps: int, whole_step: bool = False) -> float:
+    """The median seconds of `reps` passes over `rows` new inputs (timed_pass), after a warm-up pass
+    (the first pass at a new size allocates and picks kernels)."""
+    timed_pass(model, cache, rows, whole_step)
+    return statistics.median(timed_pass(model, cache, rows, whole_step) for _ in range(reps))
+
+
+def latency_rounds(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
+                   whole_step: bool = False) -> dict[int, list[list[float]]]:
+    """For each size, `rounds` lists of `reps` timed passes, the sizes interleaved pass by pass (so a
+    burst of load hits every size alike); progress on stderr."""
+    cache = prefilled_cache(model, CACHED, max(sizes))
+    for n in sizes:  # warm-up: the first pass at a new size allocates and picks kernels
+        timed_pass(model, cache, n, whole_step)
+    passes = {n: [[] for _ in range(rounds)] for n in sizes}
+    progress = Progress("measuring L(n)")
+    for round_number in range(rounds):
+        for _ in range(reps):
+            for n in sizes:
+                passes[n][round_number].append(timed_pass(model, cache, n, whole_step))
+        progress.update(f"round {round_number + 1}/{rounds}")
+    progress.done(f"{rounds} rounds of {reps} passes per size")
+    return passes
+
+
+def latencies(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
+              whole_step: bool = False) -> dict[int, float]:
+    """L(n) for each size: the LOW_QUANTILE of its passes over interleaved rounds (latency_rounds)."""
+    return {n: low_quantile(sum(runs, [])) for n, runs in latency_rounds(model, sizes, rounds, reps, whole_step).items()}
+
+
+def low_quantile(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
+
+
+def rounds_disagreement(passes: dict[int, list[list[float]]]) -> float:
+    """The largest ratio, over sizes, between two rounds' medians of that size (1: they agree)."""
+    return max(max(map(statistics.median, runs)) / min(map(statistics.median, runs)) for runs in passes.values())
+
+
+# ---- this machine's table ---------------------------------------------------------------------------
 
 def machine_key(model) -> str:
     if model.device.type == "cuda":
@@ -110,6 +157,99 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def latency_file():
+    return cache_root() / "latency.json"
+
+
+THIS_RUN: dict[str, OnlineLatency] = {}  # machine key -> this process's estimate, shared by its generations
+
+
+def machine_latency(model) -> OnlineLatency:
+    """L(n) on this machine, device, dtype and model, as this process knows it: one OnlineLatency per
+    machine key, whose prior is the saved table (measured now if there is none) and which refreshes
+    that table as it goes."""
+    key = machine_key(model)
+    if key not in THIS_RUN:
+        THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=lambda online: save_measured(key, online))
+    return THIS_RUN[key]
+
+
+def saved_table(saved: dict, key: str) -> dict[int, dict] | None:
+    """{n: {"ms": .., "passes": ..}} saved for `key`, or None when there is none or it is damaged
+    (an entry of an older version, a bare number of ms, counts as backed by no passes)."""
+    try:
+        table = {int(n): entry if isinstance(entry, dict) else {"ms": entry, "passes": 0}
+                 for n, entry in saved[key].items()}
+        Latency(table_seconds(table))  # positive seconds at sizes >= 1
+        return table
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def table_seconds(table: dict[int, dict]) -> dict[int, float]:
+    return {n: float(entry["ms"]) / 1000 for n, entry in table.items()}
+
+
+def saved_or_measured(model, key: str) -> Latency:
+    """The saved table for `key`; else L(n) measured now (progress on stderr), saved unless the
+    rounds disagree. Concurrent first runs take turns: the others find the first one's table."""
+    path = latency_file()
+    with locked(path):
+        table = saved_table(read_saved(path), key)
+        if table is not None:
+            return Latency(table_seconds(table))
+        print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
+              "(some seconds)", file=sys.stderr)
+        passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
+        measured = {n: low_quantile(sum(runs, [])) for n, runs in passes.items()}
+        disagreement = rounds_disagreement(passes)
+        if disagreement > ROUNDS_AGREE:
+            print(f"cost-aware drafting: the machine was busy (rounds differ by up to {disagreement:.2f}x), so "
+                  "this L(n) is not saved; this run corrects it from its own passes", file=sys.stderr)
+        else:
+            saved = read_saved(path)
+            saved[key] = {n: {"ms": round(seconds * 1000, 3), "passes": ROUNDS * PASSES_PER_ROUND}
+                          for n, seconds in measured.items()}
+            write_saved(path, saved)
+        return Latency(measured)
+
+
+def save_measured(key: str, online: OnlineLatency) -> None:
+    """Refresh the saved table with the sizes `online` measured well: each entry moves to the mean of
+    its saved and new passes; where one is FAR_OFF, the run's whole curve replaces the table (said
+    once). Passes already saved are not counted twice."""
+    well = online.well_measured()
+    if not well:
+        return
+    path = latency_file()
+    with locked(path):
+        saved = read_saved(path)
+        table = saved_table(saved, key) or {}
+        new = {n: online.seen[n] - online.saved_passes.get(n, 0) for n in well}
+        far = [n for n in well if n in table and not 1 / FAR_OFF <= well[n] * 1000 / table[n]["ms"] <= FAR_OFF]
+        if far or not table:
+            if far and not online.said_far_off:
+                n = far[0]
+                print(f"cost-aware drafting: the saved L({n}) for this machine ({table[n]['ms']:.1f} ms) is far off "
+                      f"what this run measures ({well[n] * 1000:.1f} ms over {len(online.recent[n])} passes): "
+                      f"replaced with this run's L(n) in {path}", file=sys.stderr)
+                online.said_far_off = True
+            table = {n: {"ms": round(online(n) * 1000, 3), "passes": online.seen.get(n, 0)} for n in online.curve.sizes}
+        else:
+            for n, seconds in well.items():
+                if new[n] <= 0:
+                    continue
+                old = table.get(n, {"ms": 0.0, "passes": 0})
+                passes = old["passes"] + new[n]
+                table[n] = {"ms": round((old["ms"] * old["passes"] + seconds * 1000 * new[n]) / passes, 3),
+                            "passes": passes}
+        saved[key] = {n: table[n] for n in sorted(table)}
+        write_saved(path, saved)
+        online.saved_passes.update({n: online.seen[n] for n in well})
+
+
+# ---- the tree size ---------------------------------------------------------------------------------
+
 def calibration_file():
     return cache_root() / "calibration.json"
 
@@ -128,21 +268,6 @@ def read_calibrations() -> dict:
     return read_saved(calibration_file())
 
 
-def read_saved(path) -> dict:
-    """A JSON object saved in the cache; {} when there is none or the file is damaged."""
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
-
-
-def write_saved(path, saved: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(path) as tmp:
-        tmp.write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
-
-
 def calibrated_rows(model, method: str, default: int) -> int:
     """What --calibrate chose for `method` on this machine (said on stderr), else `default`."""
     calibrated = saved_rows(model, method)
@@ -150,27 +275,6 @@ def calibrated_rows(model, method: str, default: int) -> int:
         return default
     print(f"{method}: {calibrated} inputs per pass, as --calibrate chose for this machine", file=sys.stderr)
     return calibrated
-
-
-def latency_file():
-    return cache_root() / "latency.json"
-
-
-def machine_latency(model) -> Latency:
-    """L(n) on this machine, device, dtype and model, for cost-aware drafting (a whole pass of the
-    loop, step_latency): as measured by an earlier run, else measured now (progress on stderr) and
-    saved."""
-    key, saved = machine_key(model), read_saved(latency_file())
-    try:
-        return Latency({int(n): ms / 1000 for n, ms in saved[key].items()})
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass  # never measured here, or a damaged entry: measure again
-    print("cost-aware drafting: measuring this machine's forward-pass latency L(n), once (some seconds)",
-          file=sys.stderr)
-    latency = Latency(latencies(model, LATENCY_SIZES, reps=3, whole_step=True))
-    saved[key] = {n: round(seconds * 1000, 3) for n, seconds in latency.as_dict().items()}
-    write_saved(latency_file(), saved)
-    return latency
 
 
 def save_rows(model, method: str, rows: int, table: list[dict]) -> None:
@@ -204,19 +308,6 @@ def measured_tau(model, tokenizer, drafter, raw: bool = False) -> float:
                            eos_ids=tokenizer.eos_ids, drafter=drafter)
             tokens, passes = tokens + len(gen.token_ids) - 1, passes + gen.counts.forward_passes - 1
     return tokens / max(passes, 1)
-
-
-def latencies(model, sizes: list[int], rounds: int = 3, reps: int = 5, whole_step: bool = False) -> dict[int, float]:
-    """L(n) for each size: the median over `rounds` interleaved rounds (so a burst of load on a shared
-    machine hits every size alike) of step_latency's median of `reps`."""
-    runs = {n: [] for n in sizes}
-    cache = prefilled_cache(model, CACHED, max(sizes))
-    for round_number in range(rounds):
-        for n in sizes:
-            runs[n].append(step_latency(model, cache, n, reps, whole_step))
-        print(f"\rmeasuring L(n): round {round_number + 1}/{rounds}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return {n: statistics.median(r) for n, r in runs.items()}
 
 
 def calibrate(model, method: str, tau_of_rows) -> tuple[int, list[dict]]:

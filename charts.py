@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only, no window: works on a machine without a dis
 warnings.filterwarnings("ignore", message="Glyph .* missing from font")  # a script the font lacks: drawn as boxes
 import matplotlib.pyplot as plt  # noqa: E402
 
-from artifacts import written_atomically  # noqa: E402
+from staging import staged_file  # noqa: E402
 
 COLOURS = {"accepted": "#2ca02c", "rejected": "#d62728", "unreached": "#b0b0b0", "root": "#1f77b4",
            "bonus": "#ff9f1c", "soft": "#9467bd", "model": "#f0f0f0"}
@@ -146,7 +146,7 @@ def save(fig, folder: Path, name: str, formats: list[str]) -> list[Path]:
     paths = []
     for fmt in formats:
         path = folder / f"{name}.{fmt}"
-        with written_atomically(path) as tmp:
+        with staged_file(path) as tmp:
             fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else None)
         paths.append(path)
     plt.close(fig)

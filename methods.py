@@ -28,7 +28,8 @@ from artifacts import shipped_artifact
 from calibrate import calibrated_rows, machine_latency
 from combined import combined_drafter
 from convert import default_model_dir
-from cost_aware import CostAware, Costs, Latency
+from cost_aware import CostAware, Costs
+from latency import Latency
 from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer

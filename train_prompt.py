@@ -45,6 +45,7 @@ from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from sampling import Sampling
 from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, sequence, split_records,
                           training_prompts)
+from staging import staged_file
 from tokenizer import Tokenizer
 
 MAX_HEADS = 7
@@ -155,7 +156,7 @@ def cached_answer_features(model, records, path: Path) -> tuple[torch.Tensor, to
         saved = load_file(path)
         return saved["hidden"], saved["targets"]
     hidden, targets = answer_features(model, records)
-    with artifacts.written_atomically(path) as tmp:
+    with staged_file(path) as tmp:
         save_file({"hidden": hidden.contiguous(), "targets": targets.contiguous()}, tmp)
     return hidden, targets
 
@@ -243,7 +244,7 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
               f"{tokens / elapsed:.0f} tokens/s  ETA {eta / 60:.1f} min   ", end="", file=sys.stderr, flush=True)
         if step % args.save_every == 0 or step == total_steps:
             resume.parent.mkdir(parents=True, exist_ok=True)
-            with artifacts.written_atomically(resume) as tmp:
+            with staged_file(resume) as tmp:
                 torch.save({"settings": settings(args), "step": step, "module": module.state_dict(),
                             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, tmp)
     print(file=sys.stderr)

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
-from cost_aware import CostAware, Costs, Latency
+from cost_aware import CostAware, Costs
+from latency import Latency
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,

@@ -10,10 +10,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import CostAware, Costs, Latency, best_draft_length, best_subtree, reach
+from cost_aware import CostAware, Costs, best_draft_length, best_subtree, reach
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
+from latency import Latency
 from medusa import MedusaDrafter, MedusaHeads
 from tree import Tree
 from verify import verify_greedy

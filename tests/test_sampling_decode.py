@@ -18,7 +18,8 @@ from hypothesis import given, strategies as st
 import verify as verify_module
 from helpers import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
 from combined import CombinedDrafter, SoftTokensOnRoot
-from cost_aware import CostAware, Costs, Latency
+from cost_aware import CostAware, Costs
+from latency import Latency
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
 from medusa import MedusaDrafter, MedusaHeads

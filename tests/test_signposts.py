@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 
-from cost_aware import Latency  # noqa: E402
+from latency import Latency  # noqa: E402
 
 README, CODE_PATHS = ROOT / "README.md", ROOT / "docs" / "code-paths.md"
 BEGIN = "<!-- files per method: traced by tests/test_signposts.py (--write rewrites this table) -->"

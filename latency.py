@@ -1,0 +1,150 @@
+"""L(n): the seconds of one pass of the decoding loop over n inputs on this machine, the cost that
+cost-aware drafting (cost_aware.py) and the hardware-aware tree size (calibrate.py) weigh guesses
+against.
+
+L(n) depends on the machine, the device, the dtype and the model, and on how busy the machine is.
+So it is known three ways, each correcting the one before:
+
+1. **Measured once** per machine, device, dtype and model, by the first run that needs it
+   (calibrate.machine_latency): a pass of the loop at each of a few sizes, the sizes interleaved
+   pass by pass so that a burst of load hits every size alike, in three rounds; each size's L is a
+   low quantile of its passes (load only ever adds time). When the rounds disagree, the machine was
+   busy: nothing is saved, and the run relies on step 2. Concurrent first runs take turns (a lock):
+   one measures, the others wait and read its table.
+2. **Corrected online** by every run (`OnlineLatency`): the loop times every pass (`Pass.seconds`),
+   and the estimate at a size moves from the saved table (worth PRIOR_WEIGHT passes) to the median of
+   the passes this run sent of that size. Sizes not sent are the saved table scaled by the ratio
+   measured / saved at the nearest sizes that were, so a table off by a constant factor is right
+   everywhere after one size is measured; the curve is kept non-decreasing in n (`Latency`). A wrong
+   saved table costs the first few passes, not the run.
+3. **Saved back** (calibrate.save_measured): every SAVE_EVERY passes, the sizes this run measured
+   well (WELL_MEASURED: enough passes, a narrow spread) refresh the saved table, each entry keeping
+   how many passes back it; where the run finds the saved table far off, the run's curve replaces
+   it, said once on stderr.
+
+The saved tables live in the cache's latency.json ({machine key: {n: {"ms": L(n), "passes": k}}});
+delete the file to measure again.
+"""
+
+import bisect
+import statistics
+from collections import deque
+
+
+class Latency:
+    """L(n): seconds for one forward pass over n inputs, interpolated linearly between measured sizes
+    (and extended along the last segment), never decreasing in n: where a noisy measurement falls
+    below a smaller size's, the two are pooled into their mean (isotonic regression). A fixed table:
+    it learns nothing from the passes it is shown (OnlineLatency does)."""
+
+    def __init__(self, seconds: dict[int, float]):
+        if not seconds or min(seconds) < 1 or min(seconds.values()) <= 0:
+            raise ValueError("L(n) needs positive seconds for sizes n >= 1")
+        self.sizes = sorted(seconds)
+        pools = []  # [mean, count] of runs of sizes, means increasing (pool adjacent violators)
+        for n in self.sizes:
+            pools.append([seconds[n], 1])
+            while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+                (high, k), (low, j) = pools[-2], pools.pop()
+                pools[-1] = [(high * k + low * j) / (k + j), k + j]
+        self.seconds = [mean for mean, count in pools for _ in range(count)]
+
+    @classmethod
+    def flat(cls) -> "Latency":
+        """Every pass costs the same, whatever its size (a GPU far from saturated, roughly)."""
+        return cls({1: 1.0})
+
+    def __call__(self, rows: int) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if len(sizes) == 1 or rows <= sizes[0]:
+            return seconds[0]
+        i = min(max(bisect.bisect_left(sizes, rows), 1), len(sizes) - 1)
+        slope = (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
+        return seconds[i - 1] + slope * (rows - sizes[i - 1])
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.sizes, self.seconds))
+
+    def observe(self, inputs: int, seconds: float) -> None:
+        """A fixed table ignores the passes it is shown."""
+
+    def measured_enough(self, inputs: int) -> bool:
+        """A fixed table is trusted as it is."""
+        return True
+
+
+class OnlineLatency:
+    """L(n) as this run measures it: a prior (the saved table) moved by every pass it is shown
+    (`observe`, from the loop's own clock), robustly (medians of the last WINDOW passes per size) and
+    non-decreasing in n. Called like a Latency."""
+
+    TRUSTED = 3  # passes at a size for its median alone to stand (fewer: see fitted)
+    WINDOW = 32  # the latest passes per size (the machine's load drifts)
+    FIRST_PASSES = 2  # passes of a size before cost-aware drafting relies on it (measured_enough)
+    SAVE_EVERY = 64  # passes between two refreshes of the saved table
+    WELL_MEASURED = 8, 0.3  # passes, and the most (q3 - q1) / median, for a size to be saved
+
+    def __init__(self, prior: Latency, save=None):
+        self.prior, self.save = prior, save  # save(self): refresh the saved table
+        self.recent: dict[int, deque] = {}  # size -> its latest passes' seconds
+        self.seen: dict[int, int] = {}  # size -> passes of that size shown so far
+        self.curve = prior
+        self.unsaved = 0  # passes since the saved table was last refreshed
+        self.saved_passes: dict[int, int] = {}  # size -> passes of it already counted in the saved table
+        self.said_far_off = False
+
+    def __call__(self, rows: int) -> float:
+        return self.curve(rows)
+
+    def observe(self, inputs: int, seconds: float) -> None:
+        """One timed pass over `inputs` inputs."""
+        self.recent.setdefault(inputs, deque(maxlen=self.WINDOW)).append(seconds)
+        self.seen[inputs] = self.seen.get(inputs, 0) + 1
+        self.curve = self.fitted()
+        self.unsaved += 1
+        if self.save and self.unsaved >= self.SAVE_EVERY:
+            self.unsaved = 0
+            self.save(self)
+
+    def measured_enough(self, inputs: int) -> bool:
+        """Whether this run has timed enough passes of `inputs` inputs to trust its estimate there."""
+        return self.seen.get(inputs, 0) >= self.FIRST_PASSES
+
+    def fitted(self) -> Latency:
+        """The prior at its own sizes, scaled by measured / prior, interpolated between the measured
+        sizes (the nearest one's beyond them). A size measured fewer than TRUSTED times is scaled by
+        the lower of its own ratio and its neighbours': one pass slowed by a burst of load must not
+        make a size look so dear that it is never sent again (and so never measured again)."""
+        ratio = {n: statistics.median(recent) / self.prior(n) for n, recent in self.recent.items()}
+        trusted = {n: r for n, r in ratio.items() if self.seen[n] >= self.TRUSTED}
+        for n in sorted(ratio):
+            if n not in trusted:
+                others = {m: r for m, r in ratio.items() if m != n}
+                ratio[n] = min(ratio[n], interpolate(others, n)) if others else ratio[n]
+        sizes = sorted(set(self.prior.sizes) | set(ratio))
+        return Latency({n: self.prior(n) * interpolate(ratio, n) for n in sizes})
+
+    def well_measured(self) -> dict[int, float]:
+        """Seconds at each size whose recent passes are many and agree (what may be saved)."""
+        passes, spread = self.WELL_MEASURED
+        well = {}
+        for n, recent in self.recent.items():
+            if len(recent) >= passes:
+                q1, median, q3 = statistics.quantiles(recent, n=4)
+                if q3 - q1 <= spread * median:
+                    well[n] = median
+        return well
+
+
+def interpolate(points: dict[int, float], n: int) -> float:
+    """Linear between the points around n, the nearest point's value beyond them (1 with none)."""
+    if not points:
+        return 1.0
+    sizes = sorted(points)
+    if n <= sizes[0]:
+        return points[sizes[0]]
+    if n >= sizes[-1]:
+        return points[sizes[-1]]
+    above = bisect.bisect_left(sizes, n)
+    low, high = sizes[above - 1], sizes[above]
+    return points[low] + (points[high] - points[low]) * (n - low) / (high - low)
