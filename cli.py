@@ -234,6 +234,7 @@ def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling:
                    drafter=decoder, sampling=sampling, generator=generator,
                    typical=typical, on_tokens=printer, on_pass=trees)
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
+    say_if_empty(tokenizer, gen.token_ids)
     if args.json:
         stats |= {"text": tokenizer.decode(gen.token_ids), "token_ids": gen.token_ids}
         if args.show_accepts:
@@ -246,6 +247,15 @@ def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling:
         print(summary_line(stats), file=sys.stderr, flush=True)
 
 
+def say_if_empty(tokenizer, token_ids: list[int]) -> None:
+    """An answer with no text is said on stderr, never left for the reader to wonder at."""
+    if tokenizer.decode(token_ids).strip():
+        return
+    why = ("the model ended it at once" if token_ids and token_ids[0] in tokenizer.eos_ids
+           else f"its {len(token_ids)} tokens decode to no visible text")
+    print(f"note: the answer is empty: {why}", file=sys.stderr, flush=True)
+
+
 def run_engine_prompt(args, tokenizer, engine, prompt_ids, sampling, generator, seed) -> None:
     """APAR writes its paragraphs out of order, so the restored text comes at the end, not streamed."""
     gen = engine.generate(prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
@@ -253,6 +263,7 @@ def run_engine_prompt(args, tokenizer, engine, prompt_ids, sampling, generator, 
     stats = {"method": "apar", "prompt_tokens": len(prompt_ids), **apar.statistics(gen, len(prompt_ids)),
              "temperature": args.temperature, "seed": seed if not sampling.greedy else None}
     text = tokenizer.decode(gen.token_ids)
+    say_if_empty(tokenizer, gen.token_ids)
     if args.json:
         print(json.dumps(stats | {"text": text, "token_ids": gen.token_ids}, ensure_ascii=False), flush=True)
     else:

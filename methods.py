@@ -34,7 +34,7 @@ from cpu_kernels import prepare_tree_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer
 from model import DTYPES, load_checkpoint, parse_device
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, check_fits
 
 DEFAULT_DRAFT_LAYERS = 4
 DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate (measured: docs/constants.md)
@@ -351,9 +351,7 @@ def load(args, method: Method):
     if method.guesses:  # (apar's weights change first: its engine lays them out after the adapter)
         prepare_tree_kernels(model)
     tokenizer = Tokenizer(folder)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                        f"{model.config.vocab_size}")
+    check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",
           file=sys.stderr)
     return model, tokenizer

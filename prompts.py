@@ -74,6 +74,8 @@ def prompt_ids(args, prompt: Prompt, model, tokenizer) -> list[int]:
     """The prompt's token ids, checked to leave room for an answer in the model's context."""
     try:
         ids = tokenizer.prompt_ids(prompt.text, raw=args.raw)
+        if not ids:
+            raise UserError("the prompt is no tokens at all: the model needs at least one to answer")
         room_for_new_tokens(model, ids, args.max_new_tokens)
     except UserError as err:
         raise UserError(f"{prompt.where}: {err}") from None

@@ -28,6 +28,8 @@ class Tokenizer:
         else:
             raise UserError(f"{folder} has no tokenizer.json or tokenizer.model")
         self.vocab_size = self.backend.vocab_size
+        if self.vocab_size == 0:  # every answer would be silently empty
+            raise UserError(f"{folder}: the tokenizer's vocabulary is empty")
         self.chat_template = chat_template(self.config, folder)
         self.eos_ids = stop_token_ids(folder, self)
 
@@ -103,7 +105,20 @@ def stop_token_ids(folder: Path, tokenizer: "Tokenizer") -> set[int]:
                                 f"or a list of them, got {json.dumps(eos)}")
             return set(ids)
     eos_text = tokenizer.special_token("eos_token")
-    return {tokenizer.backend.token_to_id(eos_text)} if eos_text else set()
+    eos_id = tokenizer.backend.token_to_id(eos_text) if eos_text else None
+    return set() if eos_id is None else {eos_id}
+
+
+def check_fits(tokenizer: Tokenizer, model_vocab_size: int, folder: Path) -> None:
+    """Refuse, with one error line, a tokenizer that cannot work with a model of `model_vocab_size`
+    tokens: a token id would fall outside the model's embedding, or an answer would never end (no
+    end-of-sequence token)."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model_vocab_size}: they are not made for each other")
+    if not tokenizer.eos_ids:
+        raise UserError(f"{folder}: no end-of-sequence token: set eos_token_id in generation_config.json or "
+                        "config.json, or eos_token in tokenizer_config.json to a token of the vocabulary")
 
 
 def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:

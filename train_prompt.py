@@ -46,7 +46,7 @@ from sampling import Sampling
 from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, sequence, split_records,
                           training_prompts)
 from staging import staged_file
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, check_fits
 
 MAX_HEADS = 7
 SAMPLED = Sampling(temperature=0.7, top_p=0.9)  # APAR's extra self-distilled answers
@@ -352,6 +352,7 @@ def train_command(argv) -> None:
     model = load_checkpoint(folder, torch.float32, parse_device(getattr(args, "device", "cpu")))
     model.requires_grad_(False)
     tokenizer = Tokenizer(folder)
+    check_fits(tokenizer, model.config.vocab_size, folder)
     training, held_out = answers(model, tokenizer, folder, args)
     if args.command == "data":
         return

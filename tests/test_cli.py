@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from cli import main
+from cli import main, say_if_empty
 from helpers import ROOT, tiny_artifacts, write_checkpoint
+from tokenizer import Tokenizer
 
 
 def run_cli(capsys, *argv):
@@ -270,3 +271,11 @@ def test_calibrate_saves_this_machines_tree_size(capsys, tiny_folder, tmp_path, 
         code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "hi", "--method", method,
                                  *trained, "--max-new-tokens", "4")
         assert code == 0 and f"{chosen} inputs per pass, as --calibrate chose" in err
+
+
+def test_an_empty_answer_is_said(capsys, tiny_folder):
+    tokenizer = Tokenizer(tiny_folder)
+    say_if_empty(tokenizer, [2])  # the end-of-sequence token first
+    assert capsys.readouterr().err == "note: the answer is empty: the model ended it at once\n"
+    say_if_empty(tokenizer, tokenizer.encode("the fox"))
+    assert capsys.readouterr().err == ""

@@ -59,6 +59,13 @@ def world(tmp_path_factory):
     variant("eos-text", lambda c: c.update(eos_token_id="x"))
     variant("config-not-utf8", raw_config=b'{"model_type": "' + NOT_UTF8 + b'"}')
     variant("nan-weights", edit_weights=lambda w: w["model.norm.weight"].fill_(float("nan")))
+    variant("no-eos", lambda c: c.update(eos_token_id=None))
+    variant("empty-vocabulary")
+    write_empty_tokenizer(root / "empty-vocabulary")
+    small = root / "small-vocabulary"  # a model of 100 tokens with the 300-token tokenizer
+    small.mkdir()
+    (small / "tokenizer.json").write_bytes((tiny / "tokenizer.json").read_bytes())
+    write_checkpoint(small, tiny_hf_config(vocab=100, eos_token_id=2, max_position_embeddings=64))
 
     medusa = root / "medusa"
     (root / "truncated.safetensors").write_bytes(medusa.with_suffix(".safetensors").read_bytes()[:100])
@@ -73,6 +80,12 @@ def world(tmp_path_factory):
     long_prompt = json.dumps({"prompt": "the quick brown fox " * 40})
     (root / "long-in-the-middle.jsonl").write_text('{"prompt": "the dog"}\n' + long_prompt + "\n")
     return root
+
+
+def write_empty_tokenizer(folder):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE()).save(str(folder / "tokenizer.json"))
 
 
 def tiny(world, *argv):
@@ -128,6 +141,14 @@ CASES = {
     # training
     "train with a NaN learning rate": (lambda w: program("train_prompt.py", "ppd", "--lr", "nan"), ["--lr"]),
     # nothing silently wrong
+    "a tokenizer with no vocabulary": (lambda w: tiny(w, "--prompt", "hi", "--model", w / "empty-vocabulary"),
+                                       ["empty-vocabulary", "vocabulary is empty"]),
+    "a tokenizer larger than the model": (lambda w: tiny(w, "--prompt", "hi", "--model", w / "small-vocabulary"),
+                                          ["small-vocabulary", "the model only 100"]),
+    "no end-of-sequence token": (lambda w: tiny(w, "--prompt", "hi", "--model", w / "no-eos"),
+                                 ["no-eos", "end-of-sequence"]),
+    "training with no vocabulary": (lambda w: program("train_prompt.py", "medusa", "--model", w / "empty-vocabulary",
+                                                      "--out", w / "out"), ["vocabulary is empty"]),
     "NaN weights": (lambda w: tiny(w, "--prompt", "hi", "--model", w / "nan-weights"), ["NaN or inf", "nan-weights"]),
     "--temperature inf": (lambda w: tiny(w, "--prompt", "hi", "--temperature", "inf"), ["temperature"]),
     "--top-p with greedy": (lambda w: tiny(w, "--prompt", "hi", "--top-p", 0.5), ["--top-p", "sampling"]),
