@@ -84,6 +84,7 @@ from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserEr
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options)
 from model import DTYPES, load_checkpoint, parse_device
+from progress import Progress
 from sampling import Sampling
 from staging import staged_file
 from tokenizer import Tokenizer
@@ -356,11 +357,12 @@ def bench_acceptance(args, tokenizer, report):
     for name in args.methods:
         per_method[name] = [0, 0, 0, 0]  # accepted, judged, tokens, verifying passes
         drafter = variant_drafter(name, model, tokenizer, args)
+        progress = Progress(f"  {name}")
         for number, prompt_ids in enumerate(prompts, 1):
             generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids, drafter=drafter,
                      on_pass=count(name))
-            print(f"\r  {name}: prompt {number}/{len(prompts)}", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
+            progress.update(f"prompt {number}/{len(prompts)}")
+        progress.done(f"{len(prompts)} prompts")
     report.table(f"acceptance per method: {len(prompts)} held-out prompts ({', '.join(args.categories)}), up to "
                  f"{args.new_tokens} new tokens, greedy",
                  [Column("method"), Column("alpha", "alpha (accepted / judged guesses)", "{:.3f}"),

@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from errors import UserError, unwritable
+from progress import Progress
 from staging import locked, remove_stale, staged_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -249,10 +250,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         meta = read_gguf_metadata(reader)
     except (ValueError, KeyError, OSError) as err:  # truncated or not a GGUF file
         raise UserError(f"cannot read {gguf_path} ({err}); reinstall it with: {REINSTALL_HINT}") from None
+    dequantizing = Progress("  dequantized")
+
     def progress(done, total):
-        if sys.stderr.isatty() or done == total:  # redraw one line on a terminal, else print once
-            print(f"\r  dequantized {done}/{total} tensors", end="\n" if done == total else "",
-                  file=sys.stderr, flush=True)
+        (dequantizing.done if done == total else dequantizing.update)(f"{done}/{total} tensors")
 
     try:  # whatever stops it (an error, a full disk, Ctrl-C, a kill), no half-written folder is left behind
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,11 @@ class Progress:
         line = f"{self.what}: {text}"
         if self.on_terminal:
             print(f"\r{line}\033[K", end="", file=sys.stderr, flush=True)
-        elif self.last_logged is None or time.monotonic() - self.last_logged >= LOG_EVERY:
+            return
+        now = time.monotonic()
+        if self.last_logged is None or now - self.last_logged >= LOG_EVERY:
             print(line, file=sys.stderr, flush=True)
-            self.last_logged = time.monotonic()
+            self.last_logged = now
 
     def done(self, text: str) -> None:
         """The last update, always shown, and the end of the line."""

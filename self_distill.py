@@ -20,7 +20,6 @@ appended to a JSONL file in the cache as they finish, so an interrupted run resu
 import itertools
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 import bench_data
 from errors import UserError
 from kv_cache import FrozenPrefix, KVCache
+from progress import Progress
 from sampling import Sampling, target_probs
 
 VALIDATION_EVERY = 10  # every 10th record's answers are held out: accuracies and tree statistics come from these
@@ -171,6 +171,7 @@ def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, ma
     prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
     todo = [prompt_ids[i] for i in answer_order(prompt_ids)]
     started, made_tokens = time.perf_counter(), 0
+    progress = Progress("self-distillation")
     with out_file.open("a", encoding="utf-8") as f:
         for first in range(len(done), len(todo), batch_size):  # `done` holds whole batches
             batch = todo[first:first + batch_size]
@@ -183,9 +184,8 @@ def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, ma
             finished = first + len(batch)
             rate = made_tokens / (time.perf_counter() - started)
             eta = (count - finished) * made_tokens / max(finished - len(done), 1) / rate
-            print(f"\rself-distillation: {finished}/{count} answers, {rate:.0f} tokens/s, "
-                  f"ETA {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+            progress.update(f"{finished}/{count} answers, {rate:.0f} tokens/s, ETA {eta / 60:.1f} min")
+    progress.done(f"{count} answers")
     return read_records(out_file)[:count]
 
 

@@ -42,6 +42,7 @@ from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer
 from medusa import MedusaHeads, medusa_accuracy, medusa_loss
 from model import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
+from progress import Progress
 from sampling import Sampling
 from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, sequence, split_records,
                           training_prompts)
@@ -138,6 +139,7 @@ def answer_features(model, records) -> tuple[torch.Tensor, torch.Tensor]:
     tokens after each position [M, 8] (-1 past the end): head k's target is column k. Progress on
     stderr."""
     hidden, targets = [], []
+    progress = Progress("base model's hidden states")
     for i, record in enumerate(records):
         tokens = sequence(record)
         states, _ = base_pass(model, tokens)
@@ -145,8 +147,8 @@ def answer_features(model, records) -> tuple[torch.Tensor, torch.Tensor]:
         hidden.append(states[positions.start:positions.stop])
         padded = torch.tensor(tokens + [-1] * 8)
         targets.append(torch.stack([padded[t + 1:t + 9] for t in positions]))
-        print(f"\rbase model's hidden states: {i + 1}/{len(records)} answers", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        progress.update(f"{i + 1}/{len(records)} answers")
+    progress.done(f"{len(records)} answers")
     return torch.cat(hidden), torch.cat(targets)
 
 
@@ -229,6 +231,7 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
             print(f"resuming from {resume} at step {step}/{total_steps}", file=sys.stderr)
     started, tokens, recent = time.perf_counter(), 0, []
     first = step
+    progress = Progress("training")
     while step < total_steps:
         loss, step_tokens = step_loss(step)
         if loss is not None:
@@ -240,14 +243,14 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
         step, tokens = step + 1, tokens + step_tokens
         elapsed = time.perf_counter() - started
         eta = elapsed / (step - first) * (total_steps - step)
-        print(f"\rstep {step}/{total_steps}  loss {sum(recent) / max(len(recent), 1):.4f}  "
-              f"{tokens / elapsed:.0f} tokens/s  ETA {eta / 60:.1f} min   ", end="", file=sys.stderr, flush=True)
+        progress.update(f"step {step}/{total_steps}  loss {sum(recent) / max(len(recent), 1):.4f}  "
+                        f"{tokens / elapsed:.0f} tokens/s  ETA {eta / 60:.1f} min")
         if step % args.save_every == 0 or step == total_steps:
             resume.parent.mkdir(parents=True, exist_ok=True)
             with staged_file(resume) as tmp:
                 torch.save({"settings": settings(args), "step": step, "module": module.state_dict(),
                             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, tmp)
-    print(file=sys.stderr)
+    progress.done(f"{total_steps} steps  loss {sum(recent) / max(len(recent), 1):.4f}")
     args.final_loss = sum(recent) / max(len(recent), 1)
 
 
