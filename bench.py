@@ -820,8 +820,32 @@ def machine(device: torch.device) -> dict:
             "model": default_model_dir().name, "date": time.strftime("%Y-%m-%d")}
 
 
+# the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
+# read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
+READS = {
+    "methods": {"categories", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
+                "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
+    "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
+    "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
+    "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
+    "apar": {"adapters", "apar_guesses", "device", "held_out_lists", "mt_categories", "new_tokens", "prompts"},
+    "latency": {"device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
+}
+
+
+def refuse_idle_options(args, parser) -> None:
+    for action in parser._actions:
+        dest = action.dest
+        if (action.option_strings and dest not in ("help", "out", "plot") and dest not in READS[args.what]
+                and getattr(args, dest) != parser.get_default(dest)):
+            readers = " and ".join(what for what, reads in READS.items() if dest in reads)
+            raise UserError(f"{action.option_strings[0]} applies to bench.py {readers} only (here it would do nothing)")
+
+
 def bench_command(argv) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refuse_idle_options(args, parser)
     try:  # refuses a temperature it cannot sample at, before any work
         Sampling(temperature=args.temperature)
     except ValueError as err:

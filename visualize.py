@@ -597,7 +597,7 @@ def draw_bench(args) -> list[Path]:
     try:
         tables = results["tables"]
         figures = bench_figures(results)
-    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError, AttributeError):  # a wrong kind of value
         raise UserError(f"{args.results} is not a bench.py results file (or it is damaged)") from None
     if not figures:
         kinds = sorted({t.get("kind", "?") for t in tables})

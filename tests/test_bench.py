@@ -2,8 +2,10 @@
 and llama.cpp as a peer, here a stand-in program that prints llama-lookup's timing lines (the real one
 is built by hand, README "Speed"), so that its parsing and its speedup over its own vanilla are checked."""
 
+import ast
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +157,31 @@ def test_adapters_trained_on_other_prompts_have_no_common_held_out_lists(held_ou
         bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "a"), str(tmp_path / "b")]), None)
     with pytest.raises(UserError, match="does not say which prompts trained it"):
         bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "d")]), None)
+
+
+def options_read(function: str, functions: dict, seen: set) -> set[str]:
+    """The `args.X` a bench.py function reads, and those of the bench.py functions it calls."""
+    if function in seen or function not in functions:
+        return set()
+    seen.add(function)
+    found = set()
+    for node in ast.walk(functions[function]):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+            found.add(node.attr)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            found |= options_read(node.func.id, functions, seen)
+    return found
+
+
+def test_each_benchmark_refuses_exactly_the_options_it_does_not_read():
+    tree = ast.parse(Path(bench.__file__).read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    options = {a.dest for a in bench.build_parser()._actions if a.option_strings} - {"help", "out", "plot"}
+    for what, reads in bench.READS.items():
+        read = options_read(f"bench_{what}", functions, set()) | ({"dtypes"} if what == "latency" else set())
+        assert reads == read & options, what  # (bench_command runs bench_latency once per --dtypes)
+
+
+def test_an_option_the_benchmark_does_not_read_is_refused():
+    with pytest.raises(UserError, match="--gammas applies to bench.py speculative only"):
+        bench.bench_command(["methods", "--gammas", "2"])
