@@ -74,7 +74,7 @@ import bench_data
 from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact
-from calibrate import cpu_name, forward_latency, machine_latency
+from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import prepare_tree_kernels
@@ -260,6 +260,7 @@ def bench_methods(args, tokenizer, report):
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
         latency = machine_latency(model)  # measured (once per machine) before anything is timed
+        started_with = {n: latency(n) for n in LATENCY_SIZES}
         # one drafter per method and run: each sees every prompt once, in order, so Lookahead's trie,
         # which carries over between prompts, is in the same state in every run of a prompt
         drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
@@ -290,6 +291,12 @@ def bench_methods(args, tokenizer, report):
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
             report_category(report, dtype_name, category, tallies, args)
+        report.table(f"{dtype_name}: the L(n) cost-aware drafting decided with, in ms: the saved table this run "
+                     "started from, and the run's own estimate at its end (passes it timed of each size)",
+                     [Column("n"), Column("start", "saved L(n)", "{:.1f}"), Column("end", "measured L(n)", "{:.1f}"),
+                      Column("passes")],
+                     [[n, started_with[n] * 1000, latency(n) * 1000, latency.seen.get(n, 0)] for n in LATENCY_SIZES],
+                     kind="latency_used", dtype=dtype_name)
 
 
 def warm_up(model, peer, tokenizer):
