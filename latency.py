@@ -12,11 +12,13 @@ So it is known three ways, each correcting the one before:
    busy: nothing is saved, and the run relies on step 2. Concurrent first runs take turns (a lock):
    one measures, the others wait and read its table.
 2. **Corrected online** by every run (`OnlineLatency`): the loop times every pass (`Pass.seconds`),
-   and the estimate at a size moves from the saved table (worth PRIOR_WEIGHT passes) to the median of
-   the passes this run sent of that size. Sizes not sent are the saved table scaled by the ratio
-   measured / saved at the nearest sizes that were, so a table off by a constant factor is right
-   everywhere after one size is measured; the curve is kept non-decreasing in n (`Latency`). A wrong
-   saved table costs the first few passes, not the run.
+   and the estimate at a size the run has sent is the median of those passes. Sizes not sent are the
+   saved table scaled by the ratio measured / saved at the nearest sizes that were, so a table off by
+   a constant factor is right everywhere once one size is measured, and one wrongly shaped is
+   corrected size by size as the run sends them (a size is never made to look dearer than its
+   neighbours say by its first passes, so that it is sent again); the curve is kept non-decreasing in
+   n (`Latency`). Cost-aware drafting first sends the root alone for a couple of passes, so that what
+   sending nothing costs is measured too. A wrong saved table costs the first few passes, not the run.
 3. **Saved back** (calibrate.save_measured): every SAVE_EVERY passes, the sizes this run measured
    well (WELL_MEASURED: enough passes, a narrow spread) refresh the saved table, each entry keeping
    how many passes back it; where the run finds the saved table far off, the run's curve replaces
@@ -118,12 +120,9 @@ class OnlineLatency:
         sizes (the nearest one's beyond them). A size measured fewer than TRUSTED times is scaled by
         the lower of its own ratio and its neighbours': one pass slowed by a burst of load must not
         make a size look so dear that it is never sent again (and so never measured again)."""
-        ratio = {n: statistics.median(recent) / self.prior(n) for n, recent in self.recent.items()}
-        trusted = {n: r for n, r in ratio.items() if self.seen[n] >= self.TRUSTED}
-        for n in sorted(ratio):
-            if n not in trusted:
-                others = {m: r for m, r in ratio.items() if m != n}
-                ratio[n] = min(ratio[n], interpolate(others, n)) if others else ratio[n]
+        own = {n: statistics.median(recent) / self.prior(n) for n, recent in self.recent.items()}
+        ratio = {n: r if self.seen[n] >= self.TRUSTED or len(own) == 1
+                 else min(r, interpolate({m: o for m, o in own.items() if m != n}, n)) for n, r in own.items()}
         sizes = sorted(set(self.prior.sizes) | set(ratio))
         return Latency({n: self.prior(n) * interpolate(ratio, n) for n in sizes})
 
