@@ -170,8 +170,18 @@ def machine_latency(model) -> OnlineLatency:
     that table as it goes."""
     key = machine_key(model)
     if key not in THIS_RUN:
-        THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=lambda online: save_measured(key, online))
+        THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=lambda online: save_or_say(key, online))
     return THIS_RUN[key]
+
+
+def save_or_say(key: str, online: OnlineLatency) -> None:
+    """save_measured, mid-generation: a cache it cannot write is said once, and the run goes on."""
+    try:
+        save_measured(key, online)
+    except OSError as err:
+        online.save = None  # (no more tries)
+        print(f"cost-aware drafting: cannot save L(n) in {latency_file()} ({err.strerror or err}); this run "
+              "goes on with its own", file=sys.stderr)
 
 
 def saved_table(saved: dict, key: str) -> dict[int, dict] | None:
@@ -192,26 +202,37 @@ def table_seconds(table: dict[int, dict]) -> dict[int, float]:
 
 def saved_or_measured(model, key: str) -> Latency:
     """The saved table for `key`; else L(n) measured now (progress on stderr), saved unless the
-    rounds disagree. Concurrent first runs take turns: the others find the first one's table."""
+    rounds disagree. Concurrent first runs take turns: the others find the first one's table. A cache
+    this run may not write (read-only, full) leaves the measurement this run's own."""
     path = latency_file()
-    with locked(path):
-        table = saved_table(read_saved(path), key)
-        if table is not None:
-            return Latency(table_seconds(table))
-        print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
-              "(some seconds)", file=sys.stderr)
-        passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
-        measured = {n: low_quantile(sum(runs, [])) for n, runs in passes.items()}
-        disagreement = rounds_disagreement(passes)
-        if disagreement > ROUNDS_AGREE:
-            print(f"cost-aware drafting: the machine was busy (rounds differ by up to {disagreement:.2f}x), so "
-                  "this L(n) is not saved; this run corrects it from its own passes", file=sys.stderr)
-        else:
-            saved = read_saved(path)
-            saved[key] = {n: {"ms": round(seconds * 1000, 3), "passes": ROUNDS * PASSES_PER_ROUND}
-                          for n, seconds in measured.items()}
-            write_saved(path, saved)
-        return Latency(measured)
+    try:
+        with locked(path):
+            return read_or_measure(model, key, save=True)
+    except OSError as err:
+        print(f"cost-aware drafting: cannot write {path} ({err.strerror or err}); L(n) is this run's own",
+              file=sys.stderr)
+        return read_or_measure(model, key, save=False)
+
+
+def read_or_measure(model, key: str, save: bool) -> Latency:
+    path = latency_file()
+    table = saved_table(read_saved(path), key)
+    if table is not None:
+        return Latency(table_seconds(table))
+    print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
+          "(some seconds)", file=sys.stderr)
+    passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
+    measured = {n: low_quantile(sum(runs, [])) for n, runs in passes.items()}
+    disagreement = rounds_disagreement(passes)
+    if disagreement > ROUNDS_AGREE:
+        print(f"cost-aware drafting: the machine was busy (rounds differ by up to {disagreement:.2f}x), so "
+              "this L(n) is not saved; this run corrects it from its own passes", file=sys.stderr)
+    elif save:
+        saved = read_saved(path)
+        saved[key] = {n: {"ms": round(seconds * 1000, 3), "passes": ROUNDS * PASSES_PER_ROUND}
+                      for n, seconds in measured.items()}
+        write_saved(path, saved)
+    return Latency(measured)
 
 
 def save_measured(key: str, online: OnlineLatency) -> None:

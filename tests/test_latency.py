@@ -236,3 +236,16 @@ def test_a_run_saves_every_so_many_passes():
     for _ in range(2 * OnlineLatency.SAVE_EVERY):
         online.observe(1, TRUE(1))
     assert saves == [online, online]
+
+
+def test_a_cache_this_run_cannot_write_leaves_l_its_own(cache, monkeypatch, capsys):
+    def refused(path):
+        raise PermissionError(13, "Permission denied")
+    fake_machine(monkeypatch, lambda rows, call: TRUE(rows))
+    monkeypatch.setattr(calibrate, "locked", refused)
+    assert calibrate.saved_or_measured(None, "this machine")(1) == pytest.approx(TRUE(1))
+    assert "cannot write" in capsys.readouterr().err and not (cache / "latency.json").exists()
+    online = OnlineLatency(TRUE, save=lambda online: calibrate.save_or_say("this machine", online))
+    for _ in range(2 * OnlineLatency.SAVE_EVERY):  # a failed save mid-generation is said once; decoding goes on
+        online.observe(1, TRUE(1))
+    assert capsys.readouterr().err.count("cannot save L(n)") == 1 and online.save is None
