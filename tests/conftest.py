@@ -1,10 +1,20 @@
 """The tests' fixtures: a tiny checkpoint folder, and the real default model converted once per session.
 The helpers the tests share with the course's graders are in helpers.py."""
 
+import os
+
 import pytest
 import torch
 
 from helpers import tiny_hf_config, write_checkpoint, write_tiny_tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory):
+    """The tests' own cache folder (the default model converted into it once): no test reads or changes
+    the user's, whose saved L(n) and calibrations would otherwise steer cost-aware drafting in the tests,
+    and be rewritten by them. Subprocesses inherit it."""
+    os.environ["SPECDEC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
