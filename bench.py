@@ -82,7 +82,7 @@ from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
-                     apar_guesser, build_drafter, default_options)
+                     apar_guesser, build_drafter, default_options, refuse_idle)
 from model import DTYPES, load_checkpoint, parse_device
 from progress import Progress
 from sampling import Sampling
@@ -841,12 +841,11 @@ READS = {
 
 
 def refuse_idle_options(args, parser) -> None:
-    for action in parser._actions:
-        dest = action.dest
-        if (action.option_strings and dest not in ("help", "out", "plot") and dest not in READS[args.what]
-                and getattr(args, dest) != parser.get_default(dest)):
-            readers = " and ".join(what for what, reads in READS.items() if dest in reads)
-            raise UserError(f"{action.option_strings[0]} applies to bench.py {readers} only (here it would do nothing)")
+    options = [action.dest for action in parser._actions
+               if action.option_strings and action.dest not in ("help", "out", "plot")]
+    refuse_idle(args, parser, [(dest, lambda args, dest=dest: dest in READS[args.what],
+                                "bench.py " + " and ".join(what for what, reads in READS.items() if dest in reads))
+                               for dest in options])
 
 
 def bench_command(argv) -> None:

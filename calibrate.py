@@ -4,7 +4,7 @@ A guess-and-verify step over n inputs yields tau(n) tokens and costs L(n), one f
 inputs. tau(n) depends on the method and the text, not on the machine; L(n) depends on the machine
 and dtype only. The best size maximises tau(n) / L(n) (PPD's Speedup(n)):
 
-- L(n) is measured here (latency.latencies): one forward pass over n new inputs after 256 cached
+- L(n) is measured here (`latencies`): one forward pass over n new inputs after 256 cached
   tokens, a low quantile of 3 rounds of 5 passes, the sizes interleaved pass by pass;
 - tau(n) for Medusa and PPD is predicted from the held-out accuracies saved with their trained
   weights (1 + the expected accepted length of the best sparse tree of n inputs, tree.py);
@@ -123,12 +123,13 @@ def latency_rounds(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PA
 def latencies(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
               whole_step: bool = False) -> dict[int, float]:
     """L(n) for each size: the LOW_QUANTILE of its passes over interleaved rounds (latency_rounds)."""
-    return {n: low_quantile(sum(runs, [])) for n, runs in latency_rounds(model, sizes, rounds, reps, whole_step).items()}
+    return low_quantiles(latency_rounds(model, sizes, rounds, reps, whole_step))
 
 
-def low_quantile(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
+def low_quantiles(passes: dict[int, list[list[float]]]) -> dict[int, float]:
+    """Per size, the LOW_QUANTILE of its passes, all rounds together."""
+    pooled = {n: sorted(sum(runs, [])) for n, runs in passes.items()}
+    return {n: values[int(LOW_QUANTILE * (len(values) - 1))] for n, values in pooled.items()}
 
 
 def rounds_disagreement(passes: dict[int, list[list[float]]]) -> float:
@@ -222,7 +223,7 @@ def read_or_measure(model, key: str, save: bool) -> Latency:
     print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
           "(some seconds)", file=sys.stderr)
     passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
-    measured = {n: low_quantile(sum(runs, [])) for n, runs in passes.items()}
+    measured = low_quantiles(passes)
     disagreement = rounds_disagreement(passes)
     if disagreement > ROUNDS_AGREE:
         print(f"cost-aware drafting: the machine was busy (rounds differ by up to {disagreement:.2f}x), so "

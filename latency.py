@@ -91,7 +91,6 @@ class OnlineLatency:
         self.recent: dict[int, deque] = {}  # size -> its latest passes' seconds
         self.seen: dict[int, int] = {}  # size -> passes of that size shown so far
         self.curve = prior
-        self.unsaved = 0  # passes since the saved table was last refreshed
         self.saved_passes: dict[int, int] = {}  # size -> passes of it already counted in the saved table
         self.said_far_off = False
 
@@ -106,9 +105,7 @@ class OnlineLatency:
         self.recent.setdefault(inputs, deque(maxlen=self.WINDOW)).append(seconds)
         self.seen[inputs] = self.seen.get(inputs, 0) + 1
         self.curve = self.fitted()
-        self.unsaved += 1
-        if self.save and self.unsaved >= self.SAVE_EVERY:
-            self.unsaved = 0
+        if self.save and sum(self.seen.values()) % self.SAVE_EVERY == 0:
             self.save(self)
 
     def measured_enough(self, inputs: int) -> bool:

@@ -331,8 +331,12 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
 def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
     """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
     A method's own options act only with that method (one of `methods`, those asked for)."""
-    rules = [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
-              "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules
+    refuse_idle(args, parser, [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
+                                "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules)
+
+
+def refuse_idle(args, parser, rules) -> None:
+    """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts)."""
     for dest, acts, where in rules:
         if getattr(args, dest) != parser.get_default(dest) and not acts(args):
             raise UserError(f"{flag(dest)} applies to {where} only (here it would do nothing)")

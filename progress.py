@@ -33,7 +33,5 @@ class Progress:
 
     def done(self, text: str) -> None:
         """The last update, always shown, and the end of the line."""
-        if self.on_terminal:
-            print(f"\r{self.what}: {text}\033[K", file=sys.stderr, flush=True)
-        else:
-            print(f"{self.what}: {text}", file=sys.stderr, flush=True)
+        line = f"{self.what}: {text}"
+        print(f"\r{line}\033[K" if self.on_terminal else line, file=sys.stderr, flush=True)

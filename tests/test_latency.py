@@ -249,3 +249,4 @@ def test_a_cache_this_run_cannot_write_leaves_l_its_own(cache, monkeypatch, caps
     for _ in range(2 * OnlineLatency.SAVE_EVERY):  # a failed save mid-generation is said once; decoding goes on
         online.observe(1, TRUE(1))
     assert capsys.readouterr().err.count("cannot save L(n)") == 1 and online.save is None
+
