@@ -249,7 +249,8 @@ def save_measured(key: str, online: OnlineLatency) -> None:
         table = saved_table(saved, key) or {}
         new = {n: online.seen[n] - online.saved_passes.get(n, 0) for n in well}
         far = [n for n in well if n in table and not 1 / FAR_OFF <= well[n] * 1000 / table[n]["ms"] <= FAR_OFF]
-        if far or not table:
+        replaced = bool(far) or not table
+        if replaced:
             if far and not online.said_far_off:
                 n = far[0]
                 print(f"cost-aware drafting: the saved L({n}) for this machine ({table[n]['ms']:.1f} ms) is far off "
@@ -267,7 +268,7 @@ def save_measured(key: str, online: OnlineLatency) -> None:
                             "passes": passes}
         saved[key] = {n: table[n] for n in sorted(table)}
         write_saved(path, saved)
-        online.saved_passes.update({n: online.seen[n] for n in well})
+        online.saved_passes.update(online.seen if replaced else {n: online.seen[n] for n in well})  # (now counted)
 
 
 # ---- the tree size ---------------------------------------------------------------------------------

@@ -250,3 +250,13 @@ def test_a_cache_this_run_cannot_write_leaves_l_its_own(cache, monkeypatch, caps
         online.observe(1, TRUE(1))
     assert capsys.readouterr().err.count("cannot save L(n)") == 1 and online.save is None
 
+
+def test_passes_a_replaced_table_counted_are_not_counted_again(cache):
+    (cache / "latency.json").write_text(json.dumps({"this machine": {"1": 287.0, "2": 385.0, "24": 385.0}}))
+    online = measured_by_a_run(PLANTED["three first runs at once"], TRUE, sizes=(1, 1, 1, 4, 6), passes=20)
+    calibrate.save_measured("this machine", online)  # replaced: every size seen counted, 6's 4 passes too
+    for _ in range(10):
+        online.observe(6, TRUE(6))
+    calibrate.save_measured("this machine", online)  # blended: only the 10 new passes of 6 are added
+    table = json.loads((cache / "latency.json").read_text())["this machine"]
+    assert table["6"]["passes"] == online.seen[6] == 14
