@@ -201,6 +201,7 @@ class Thread:
     paragraph: Paragraph  # the leaf it writes into (s.current_node)
     drafter: Drafter | None = None  # its own guesser (APAR + a guesser), told only its own sequence
     finished: bool = False
+    writes_detail: bool = False  # a child: it writes one point's detail, which never forks (see verifier)
     passes: int = 0  # forward passes whose verdict it took (the last one may be cut by the budget)
     chosen: int = 0  # tokens it chose in them: accepted guesses and bonus tokens
 
@@ -211,7 +212,7 @@ class Thread:
     def fork(self, child_token: int) -> "Thread":
         """Algorithm 1, lines 20-29: the child shares everything this thread has (slots included,
         nothing copied) plus a forced [Child]; both go on in new paragraph nodes."""
-        child = Thread(self.tokens + [child_token], list(self.slots), Paragraph([child_token]))
+        child = Thread(self.tokens + [child_token], list(self.slots), Paragraph([child_token]), writes_detail=True)
         self.paragraph.first_child = child.paragraph
         self.paragraph.next_sibling = Paragraph()
         self.paragraph = self.paragraph.next_sibling
@@ -410,10 +411,15 @@ def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: l
 def verifier(control: ControlTokens, sampling: Sampling, generator):
     """Each thread's tree is verified on its own (verify.py: greedy, or exact speculative sampling),
     over every token but [Child]: only the engine writes [Child] (its embedding is trained as an
-    input, and tied to the LM head, so the model might otherwise pick it)."""
+    input, and tied to the LM head, so the model might otherwise pick it). A child thread may not
+    write [Fork] either: the paragraph trees it was trained on are one level deep (appendix B's rules
+    make each detail a leaf), and a small adapter that forks inside a detail cuts it into fragments
+    (this project's rule; Algorithm 1 lets any thread fork)."""
     def judge(tree: Tree, logits: torch.Tensor, thread: Thread) -> Verdict:
         logits = logits.clone()
         logits[:, control.child] = float("-inf")
+        if thread.writes_detail:
+            logits[:, control.fork] = float("-inf")
         return verify(tree, logits, sampling, generator)
     return judge
 

@@ -32,10 +32,28 @@ only its ancestors: detail_i sees the prompt and root_1..root_i, root_(i+1) sees
 no detail. [Child] is an input but never a target ("attended to but not taken loss"), so the model
 learns to *write* details when the engine injects it, and never to emit it.
 
-Training source (this project's choice, as for PPD/Medusa): the default model's own answers to
-ShareGPT first turns (every list-style one, then others), one greedy and one sampled answer each
-(the small model's greedy answers loop more often than not), with the benchmark's test prompts kept out
-(self_distill.py's 13-word rule).
+Training source (`train_prompt.py apar --answers`): --records ShareGPT first turns, every list-style
+one first (apar_prompts; self_distill.py's 13-word rule keeps the benchmark's prompts out), answered by
+- `model`: the default model's own answers, one greedy and one sampled each (the small model's greedy
+  answers loop more often than not; what PPD and Medusa learn from);
+- `sharegpt`: the reply ShareGPT recorded for the prompt, the paper's data (section 3.1);
+- `mix`: both.
+The shipped adapter learned from the model's answers to 3000 prompts (5400 answers, two epochs). A
+round of one epoch on 600 prompts, either source, forks on fewer held-out list prompts than it
+(docs/results.md, "A round that fits this CPU"): ShareGPT's replies give longer answers with more
+threads, the model's own read more like the base model.
+
+Cost of a round on a 2-core CPU (measured; docs/results.md has the commands):
+- the model's own answers: about 47 minutes for 600 prompts (greedy 19, sampled 28: every batch runs
+  until its longest answer ends, and 70% of greedy answers loop to the 384-token limit);
+  ShareGPT's replies: seconds (they are read, not generated);
+- training: a packed sequence's attention mask is dense, so attention grows with the square of its
+  length; 512 tokens per step train 2.9x more tokens per second than 2048 (212 vs 73). Examples are
+  160-490 tokens (prompt, threads and control tokens, 10th-90th percentile), so 512 packs one or two.
+  An epoch of 536 examples (186k tokens) takes about 17 minutes.
+- not done: the frozen base pass cannot be computed once and reused while every layer is adapted
+  (layer 0's attention changes the first hidden states); adapting only the upper layers would allow
+  it, untested here.
 """
 
 import itertools

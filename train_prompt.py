@@ -44,8 +44,8 @@ from model import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from progress import Progress
 from sampling import Sampling
-from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, sequence, split_records,
-                          training_prompts)
+from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, recorded_answers, sequence,
+                          split_records, training_prompts)
 from staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
@@ -63,21 +63,31 @@ def data_file(model, folder: Path, args) -> Path:
 
 
 def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) records {"prompt_ids", "answer_ids"}, generated once and cached: the
-    greedy answer to every prompt and, for APAR, --sampled-answers more drawn at SAMPLED (the small
-    model's greedy answers loop more often than not; drawn ones far less). A prompt's answers are all
-    held out or all trained on."""
+    """(training, held-out) records {"prompt_ids", "answer_ids"}. The model's own answers (generated
+    once and cached): the greedy answer to every prompt and, for APAR, --sampled-answers more drawn at
+    SAMPLED (the small model's greedy answers loop more often than not; drawn ones far less). For
+    APAR, --answers also offers ShareGPT's recorded replies to the same prompts, or both. A prompt's
+    answers are all held out or all trained on."""
     path = args.data = data_file(model, folder, args)
-    print(f"self-distilled answers: {path}", file=sys.stderr)
+    source = getattr(args, "answers", "model")
     choose = apar_prompts if args.command == "apar" else training_prompts
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
-    files = [generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.answer_batch)]
-    for copy in range(getattr(args, "sampled_answers", 0)):
-        files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"), prompts,
-                                      max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
-                                      sampling=SAMPLED, seed=1_000_003 * copy))
-    splits = [split_records(records) for records in files]
+    splits = []
+    if source in ("model", "mix"):
+        print(f"self-distilled answers: {path}", file=sys.stderr)
+        files = [generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.answer_batch)]
+        for copy in range(getattr(args, "sampled_answers", 0)):
+            files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"),
+                                          prompts, max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
+                                          sampling=SAMPLED, seed=1_000_003 * copy))
+        splits += [split_records(records) for records in files]
+    if source in ("sharegpt", "mix"):
+        replies = recorded_answers(tokenizer, prompts, args.max_new_tokens)
+        print(f"ShareGPT's recorded replies to {sum(r is not None for r in replies)} of the {len(prompts)} prompts",
+              file=sys.stderr)
+        recorded = split_records(replies)
+        splits.append(tuple([r for r in part if r is not None] for part in recorded))
     return [r for training, _ in splits for r in training], [r for _, held_out in splits for r in held_out]
 
 
@@ -190,7 +200,8 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     control = ControlTokens.of(tokenizer)
     training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share) for r in (training, held_out))
     kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
-    print(f"APAR examples: {kinds} for training, {len(held_out)} held out", file=sys.stderr)
+    print(f"APAR examples: {kinds} for training, {len(held_out)} held out; tokens per example (prompt, "
+          f"threads and control tokens), deciles: {length_deciles(training)}", file=sys.stderr)
     order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
     adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
@@ -209,7 +220,14 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
         for handle in handles:
             handle.remove()
     return adapter.tensors(), {"rank": args.rank, "adapted": list(ADAPTED_LINEARS), "examples": kinds,
+                               "tokens_per_example_deciles": length_deciles(training),
                                "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation}
+
+
+def length_deciles(examples) -> list[int]:
+    """The 10th, 20th, ..., 90th percentile of the examples' lengths, what --batch-tokens packs."""
+    lengths = sorted(len(e.tree) for e in examples)
+    return [lengths[len(lengths) * k // 10] for k in range(1, 10)] if lengths else []
 
 
 # ---- the loop they share ------------------------------------------------------------------------
@@ -317,19 +335,27 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--batch-tokens", type=integer(1, 65536), default=256,
                         help="answer positions per step, 1..65536")
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
-    # answers must end (EOS) to become paragraph trees, so they may be longer; prompts shorter
+    # the shipped adapter's round (answers must end with EOS to become paragraph trees, so they may be
+    # longer; prompts shorter); a cheaper round on a 2-core CPU: apar_finetune.py, "Cost of a round"
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
-                   "data: every list-style prompt, then others)", records=3000, max_new_tokens=512, max_prompt_tokens=192, epochs=2)
+                   "prompts: list-style ones first, then others)", records=3000, max_new_tokens=512,
+                   max_prompt_tokens=192, epochs=2)
+    apar.add_argument("--answers", choices=["model", "sharegpt", "mix"], default="model",
+                      help="what the adapter learns to write: the model's own answers (greedy and sampled), "
+                           "ShareGPT's recorded replies to the same prompts (the paper's data), or both")
     apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
-                      help=f"answers per prompt drawn at temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}, "
-                           "beside the greedy one, 0..8")
+                      help=f"model's answers per prompt drawn at temperature {SAMPLED.temperature}, top-p "
+                           f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model or mix)")
     apar.add_argument("--rank", type=integer(1, 256), default=16, help="rank of the low-rank (LoRA) updates, 1..256")
     apar.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     apar.add_argument("--unstructured-share", type=number(0.0, 100.0), default=1.0,
                       help="negative (unstructured) examples per structured one; the paper mixes 1:1")
     apar.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the model answers and trains")
+    # a packed sequence's mask is dense, so attention grows with its square: on a 2-core CPU 512 tokens
+    # per step train 2.9x more tokens per second than 2048 (apar_finetune.py, "Cost of a round"); the
+    # shipped adapter was trained with 2048 on a GPU
     apar.add_argument("--batch-tokens", type=integer(64, 65536), default=2048,
-                      help="tokens per step: whole examples packed into one sequence")
+                      help="tokens per step: whole examples packed into one sequence (512 is 2.9x faster on a CPU)")
     return p
 
 

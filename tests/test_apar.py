@@ -88,6 +88,23 @@ def test_a_fork_starts_a_child_with_child_token_and_shared_prefix():
     assert gen.token_ids == [10, 20, 21, 11, 12]
 
 
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
+def test_a_child_thread_never_forks(sampling):
+    """The trees APAR trains on are one level deep, so the verifier takes [Fork] out of a child's
+    choices (and [Child] out of every thread's), greedy or sampled; the parent may still fork."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, CONTROL.fork], logits[0, 9] = 5.0, 4.0  # [Fork] first, token 9 second
+    judge = apar.verifier(CONTROL, sampling, torch.Generator().manual_seed(0))
+    parent = apar.Thread([7, 8], [0, 1], Paragraph())
+    child = parent.fork(CONTROL.child)
+    root_tree, child_tree = Tree.chain(8, []), Tree.chain(CONTROL.child, [])
+    parent_says = Counter(judge(root_tree, logits, parent).tokens[0] for _ in range(200))
+    child_says = Counter(judge(child_tree, logits, child).tokens[0] for _ in range(200))
+    assert CONTROL.fork in parent_says and CONTROL.fork not in child_says and CONTROL.child not in child_says
+    if sampling.greedy:
+        assert set(child_says) == {9}
+
+
 def random_paragraph_tree(draw_shape, counter):
     """A paragraph tree from a nested shape: (own token count, child shape or None, sibling shape or None)."""
     count, child, sibling = draw_shape

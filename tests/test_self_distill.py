@@ -1,15 +1,18 @@
 """Self-distillation data: a batch of left-padded prompts decodes each row exactly as decoding that
 prompt alone would (tiny float64 models, prompts of different lengths, end-of-sequence tokens), and
 the decontamination rule drops prompts that share 13 words with a benchmark prompt; the prompts
-named held out are those whose answers training holds out."""
+named held out are those whose answers training holds out, for the model's answers and for
+ShareGPT's recorded ones."""
 
 import random
+
+import self_distill
 
 from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_model
 from decode import generate
-from self_distill import answer_batch, generate_answers, held_out_prompts, split_records, word_ngrams
+from self_distill import answer_batch, generate_answers, held_out_prompts, recorded_answers, split_records, word_ngrams
 
 VOCAB = 16
 MODEL = tiny_model(3, vocab=VOCAB)
@@ -36,8 +39,11 @@ class LengthTokenizer:
     """One token per character: prompts of different lengths have different ids."""
     eos_ids = {0}
 
+    def encode(self, text):
+        return [1 + ord(c) % (VOCAB - 1) for c in text]
+
     def prompt_ids(self, prompt, raw):
-        return [1 + ord(c) % (VOCAB - 1) for c in prompt]
+        return self.encode(prompt)
 
 
 def test_the_prompts_named_held_out_are_those_whose_answers_training_holds_out(tmp_path):
@@ -54,3 +60,24 @@ def test_the_prompts_named_held_out_are_those_whose_answers_training_holds_out(t
     named = held_out_prompts(tokenizer, prompts)
     assert sorted(prompt_of[tuple(r["prompt_ids"])] for r in held_out) == sorted(named) and len(named) == 4
     assert not {prompt_of[tuple(r["prompt_ids"])] for r in training} & set(named)
+
+
+def test_recorded_replies_are_held_out_like_the_models_answers(monkeypatch):
+    """ShareGPT's replies are split by the same rule as the model's answers, also when some prompts
+    have no reply (their places stay empty until after the split); a reply is cut to the length limit,
+    and keeps EOS only when it fits."""
+    lengths = list(range(1, 41))
+    random.Random(1).shuffle(lengths)
+    prompts = ["ab"[n % 2] * n for n in lengths]
+    replies = {p: "x" * len(p) for i, p in enumerate(prompts) if i % 3}  # every third prompt has no reply
+    monkeypatch.setattr(self_distill, "sharegpt_answers", lambda asked: {p: replies[p] for p in asked if p in replies})
+    tokenizer = LengthTokenizer()
+    training, held_out = ([r for r in part if r is not None]
+                          for part in split_records(recorded_answers(tokenizer, prompts, max_new_tokens=20)))
+    prompt_of = {tuple(tokenizer.prompt_ids(p, raw=False)): p for p in prompts}
+    named = set(held_out_prompts(tokenizer, prompts))
+    assert {prompt_of[tuple(r["prompt_ids"])] for r in held_out} == named & set(replies)
+    assert {prompt_of[tuple(r["prompt_ids"])] for r in training} == set(replies) - named
+    for record in training + held_out:
+        reply = tokenizer.encode(replies[prompt_of[tuple(record["prompt_ids"])]])
+        assert record["answer_ids"] == (reply + [0])[:20]
