@@ -40,6 +40,7 @@ from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
 from medusa import MedusaHeads, medusa_accuracy, medusa_loss
+from methods import refuse_idle
 from model import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from progress import Progress
@@ -200,8 +201,9 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     control = ControlTokens.of(tokenizer)
     training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share) for r in (training, held_out))
     kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
+    deciles = length_deciles(training)
     print(f"APAR examples: {kinds} for training, {len(held_out)} held out; tokens per example (prompt, "
-          f"threads and control tokens), deciles: {length_deciles(training)}", file=sys.stderr)
+          f"threads and control tokens), deciles: {deciles}", file=sys.stderr)
     order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
     adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
@@ -220,7 +222,7 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
         for handle in handles:
             handle.remove()
     return adapter.tensors(), {"rank": args.rank, "adapted": list(ADAPTED_LINEARS), "examples": kinds,
-                               "tokens_per_example_deciles": length_deciles(training),
+                               "tokens_per_example_deciles": deciles,
                                "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation}
 
 
@@ -286,7 +288,7 @@ def read_resume_point(path: Path) -> dict | None:
 def settings(args) -> dict:
     """The options that shape training: a resume point made with others is ignored."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss", "data", "answer_batch")}
+            if k not in ("save_every", "final_loss", "data", "answer_batch", "command_parser")}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -300,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         """A subcommand with the options all share, at this subcommand's defaults (each gets its own
         options: argparse's set_defaults on a subcommand would change a shared parent's for all)."""
         sub = commands.add_parser(name, help=summary, formatter_class=DefaultsHelpFormatter)
+        sub.set_defaults(command_parser=sub)  # its own defaults, for refuse_idle
         sub.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face Llama checkpoint folder "
                          "(default: the embedded SmolLM2-135M-Instruct)")
         sub.add_argument("--records", type=integer(VALIDATION_EVERY, 100_000), default=records,
@@ -373,6 +376,9 @@ def main(argv=None) -> int:
 
 def train_command(argv) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "apar":  # the model's answers are not made for --answers sharegpt
+        refuse_idle(args, args.command_parser, [(dest, lambda args: args.answers != "sharegpt", "--answers model and mix")
+                                                for dest in ("sampled_answers", "answer_batch")])
     if args.command == "ppd" and args.ensembles * args.soft_tokens > 64:
         raise UserError("--soft-tokens x --ensembles must be at most 64 (inputs per node)")
     folder = args.model if args.model is not None else default_model_dir()

@@ -42,7 +42,8 @@ def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     (["ppd", "--epochs", "0"], "--epochs"), (["medusa", "--lr", "0"], "--lr"), (["ppd", "--lr", "nan"], "--lr"),
     (["apar", "--lr", "inf"], "--lr"), (["ppd", "--records", "5"], "--records"), (["medusa", "--heads", "9"], "1..7"),
     (["ppd", "--epochs", "1" + "0" * 30], "--epochs"), (["ppd", "--soft-tokens", "8", "--ensembles", "16"], "64"),
-    (["apar", "--answers", "humans"], "--answers"),
+    (["apar", "--answers", "humans"], "--answers"), (["apar", "--answers", "sharegpt", "--sampled-answers", "2"], "--sampled-answers"),
+    (["apar", "--answers", "sharegpt", "--answer-batch", "8"], "--answer-batch"),
 ])
 def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
     try:
