@@ -24,6 +24,7 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from safetensors.torch import load_file, save_file
 import artifacts
 from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
 from apar_finetune import AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, packs
+from calibrate import cpu_name
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
@@ -236,21 +238,24 @@ def length_deciles(examples) -> list[int]:
 
 def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
     """Optimise with a cosine learning rate from args.lr to 0 (PPD section 5), printing progress and
-    saving a resume point every args.save_every steps (resumed when the same command runs again)."""
+    saving a resume point every args.save_every steps (resumed when the same command runs again).
+    Sets args.runs: each run's steps, seconds and machine (a round may be split across runs, on a CPU
+    and a GPU), counted up to its last resume point, so the steps it lost are not counted."""
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
     resume = cache_root() / "train" / f"{args.out.name}.resume.pt"
-    step = 0
+    step, earlier_runs = 0, []
     state = read_resume_point(resume)
     if state is not None:
         if state["settings"] == settings(args):
             module.load_state_dict(state["module"])
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
-            step = state["step"]
+            step, earlier_runs = state["step"], state["runs"]
             print(f"resuming from {resume} at step {step}/{total_steps}", file=sys.stderr)
     started, tokens, recent = time.perf_counter(), 0, []
-    first = step
+    first, machine = step, this_machine(next(module.parameters()).device)
+    args.runs = earlier_runs
     progress = Progress("training")
     while step < total_steps:
         loss, step_tokens = step_loss(step)
@@ -266,9 +271,10 @@ def run_steps(module, optimizer, total_steps: int, step_loss, args) -> None:
         progress.update(f"step {step}/{total_steps}  loss {sum(recent) / max(len(recent), 1):.4f}  "
                         f"{tokens / elapsed:.0f} tokens/s  ETA {eta / 60:.1f} min")
         if step % args.save_every == 0 or step == total_steps:
+            args.runs = earlier_runs + [{"steps": [first, step], "seconds": round(elapsed, 1), "machine": machine}]
             resume.parent.mkdir(parents=True, exist_ok=True)
             with staged_file(resume) as tmp:
-                torch.save({"settings": settings(args), "step": step, "module": module.state_dict(),
+                torch.save({"settings": settings(args), "step": step, "runs": args.runs, "module": module.state_dict(),
                             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}, tmp)
     progress.done(f"{total_steps} steps  loss {sum(recent) / max(len(recent), 1):.4f}")
     args.final_loss = sum(recent) / max(len(recent), 1)
@@ -279,16 +285,26 @@ def read_resume_point(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except Exception as err:  # torch.load raises many kinds on a damaged file; starting over is always safe
         print(f"ignoring the unreadable resume point {path} ({type(err).__name__}); starting over", file=sys.stderr)
         return None
+    if "runs" not in state:  # made before runs were recorded: resuming would leave its time out of the record
+        print(f"ignoring the resume point {path} of an older version; starting over", file=sys.stderr)
+        return None
+    return state
+
+
+def this_machine(device: torch.device) -> str:
+    """Where a run trained, for the trained part's record."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores"
+    return f"{where}, torch {torch.__version__}"
 
 
 def settings(args) -> dict:
     """The options that shape training: a resume point made with others is ignored."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss", "data", "answer_batch", "command_parser")}
+            if k not in ("save_every", "final_loss", "runs", "data", "answer_batch", "command_parser")}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -391,7 +407,6 @@ def train_command(argv) -> None:
     training, held_out = answers(model, tokenizer, folder, args)
     if args.command == "data":
         return
-    started = time.perf_counter()
     train = {"ppd": train_ppd, "medusa": train_medusa, "apar": train_apar}[args.command]
     tensors, made = train(model, tokenizer, training, held_out, args)
     meta = {"kind": args.command, "model": artifacts.model_fingerprint(model), **made,
@@ -400,8 +415,8 @@ def train_command(argv) -> None:
                          "settings": settings(args), "training_answers": len(training),
                          "held_out_answers": len(held_out),
                          "training_tokens": sum(len(r["answer_ids"]) for r in training),
-                         "final_loss": round(args.final_loss, 4),
-                         "seconds": round(time.perf_counter() - started, 1)}}
+                         "final_loss": round(args.final_loss, 4), "steps": args.runs[-1]["steps"][1],
+                         "seconds": round(sum(run["seconds"] for run in args.runs), 1), "runs": args.runs}}
     artifacts.save(args.out, tensors, meta)
     print(f"saved {args.out}.safetensors and .json; " + outcome(made), file=sys.stderr)
 

@@ -30,12 +30,24 @@ def test_training_resumes_where_it_stopped(tmp_path, monkeypatch):
             return train_prompt.ppd_record_loss(model, soft_tokens, record, 8, torch.Generator().manual_seed(step)), 1
 
         train_prompt.run_steps(soft_tokens, optimizer, 6, step_loss, args)
-        return soft_tokens.embeddings.detach()
+        return soft_tokens.embeddings.detach(), args.runs
 
-    straight = train("straight")
+    straight, one_run = train("straight")
     with pytest.raises(KeyboardInterrupt):
         train("interrupted", stop_at=5)  # the resume point of step 4 was saved
-    assert torch.equal(train("interrupted"), straight)
+    resumed, two_runs = train("interrupted")
+    assert torch.equal(resumed, straight)
+    # the record counts each run's steps up to its last resume point: step 5 of the first was lost
+    assert [run["steps"] for run in one_run] == [[0, 6]] and [run["steps"] for run in two_runs] == [[0, 4], [4, 6]]
+    assert all(run["seconds"] >= 0 and "cores" in run["machine"] for run in one_run + two_runs)
+
+
+def test_a_resume_point_that_does_not_record_its_runs_is_not_resumed(tmp_path, capsys):
+    """An older version's resume point: resuming it would leave its steps' time out of the record."""
+    path = tmp_path / "old.resume.pt"
+    torch.save({"settings": {}, "step": 3}, path)
+    assert train_prompt.read_resume_point(path) is None
+    assert "of an older version; starting over" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, fragment", [
