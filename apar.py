@@ -57,7 +57,7 @@ from itertools import accumulate
 import torch
 
 import artifacts
-from cpu_kernels import prepare_tree_kernels
+from cpu_kernels import prepare_kernels
 from drafters import Drafter, Pass, Request
 from errors import UserError
 from kv_cache import KVCache
@@ -186,7 +186,7 @@ def load_apar_model(model, tokenizer, path) -> "AparEngine":
     tensors, _ = artifacts.load(path, "apar", model)
     with artifacts.unpacking(path, "apar"):
         apply_adapter(model, tensors, control)
-    prepare_tree_kernels(model)  # the threads of a step go through the model together
+    prepare_kernels(model)  # the threads of a step go through the model together
     return AparEngine(model, control)
 
 

