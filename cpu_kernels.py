@@ -64,9 +64,11 @@ class Linear(nn.Linear):
     def blocked_matmul(self, x, rows):
         out_features, in_features = self.weight.shape
         blocks = self.weight.view(-1, self.BLOCK_ROWS, in_features)  # [O/64, 64, I]
-        x_columns = x.reshape(rows, in_features).T.expand(len(blocks), in_features, rows)
+        # x's rows must be contiguous (an [I, rows] view with strides (1, I)): MKL's batched GEMM takes
+        # 5x as long on the transposed layout (what a .T.reshape view of an earlier output would hand it)
+        x_columns = x.reshape(rows, in_features).contiguous().T.expand(len(blocks), in_features, rows)
         y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
-        return y.view(out_features, rows).T.reshape(*x.shape[:-1], out_features)
+        return y.view(out_features, rows).T.contiguous().view(*x.shape[:-1], out_features)
 
     def packed_weight(self):
         """W re-laid out for oneDNN, made once and remade if W changes."""

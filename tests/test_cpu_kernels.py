@@ -84,3 +84,14 @@ def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype):
     assert laid_out == [dtype == torch.bfloat16] * len(linears)
     prepare_kernels(model)  # trees of guesses
     assert all(hasattr(m, "_packed_weight") for m in linears) == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_outputs_are_row_major_whatever_the_input_layout(rows):
+    """The next layer's blocked bmm takes 5x as long on column-major rows (a .T view): every output,
+    even of an input in that layout, is contiguous."""
+    layer = linear(2 * Linear.BLOCK_ROWS, 48)
+    column_major = torch.randn(48, rows).T.reshape(1, rows, 48)  # a view: strides (.., 1, rows)
+    y = layer(column_major)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(column_major, layer.weight), rtol=1e-5, atol=1e-4)
