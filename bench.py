@@ -82,7 +82,7 @@ from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
-                     apar_guesser, build_drafter, default_options, refuse_idle)
+                     apar_guesser, build_drafter, default_options, refuse_idle, spoken_list)
 from model import DTYPES, load_checkpoint, parse_device
 from progress import Progress
 from sampling import Sampling
@@ -101,7 +101,7 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: the paper's whole tree
     "anpd": ("anpd", {}), "lookahead": ("lookahead", {}),
     "lookahead-parallel": ("lookahead", {"lookahead_mode": "parallel"}),
-    "speculative": ("speculative", {}), "medusa": ("medusa", {}), "ppd": ("ppd", {}),
+    "recycling": ("recycling", {}), "speculative": ("speculative", {}), "medusa": ("medusa", {}), "ppd": ("ppd", {}),
     "ppd-static": ("ppd", {"static_tree": True}), "auto": ("auto", {}),
 }
 VARIANTS |= {f"{name}-fixed": (method, options | {"fixed_size": True}) for name, (method, options) in VARIANTS.items()}
@@ -862,7 +862,7 @@ def refuse_idle_options(args, parser) -> None:
     options = [action.dest for action in parser._actions
                if action.option_strings and action.dest not in ("help", "out", "plot")]
     refuse_idle(args, parser, [(dest, lambda args, dest=dest: dest in READS[args.what],
-                                "bench.py " + " and ".join(what for what, reads in READS.items() if dest in reads))
+                                "bench.py " + spoken_list([what for what, reads in READS.items() if dest in reads]))
                                for dest in options])
 
 

@@ -32,6 +32,7 @@ from cost_aware import CostAware, Costs
 from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
+from recycling import RecyclingDrafter
 from errors import UserError, integer
 from model import DTYPES, load_checkpoint, parse_device
 from tokenizer import Tokenizer, check_fits
@@ -124,6 +125,10 @@ def draft_model_drafter(build: Build) -> DraftModelDrafter:
                              costs=build.costs)
 
 
+def recycling_drafter(build: Build) -> RecyclingDrafter:
+    return RecyclingDrafter(build.model.config.vocab_size, build.inputs - 1)
+
+
 def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
     return medusa.load_drafter(build.model, trained_path("medusa", build.options), build.inputs, build.costs)
 
@@ -178,6 +183,9 @@ METHODS = {m.name: m for m in [
            "(Zhao et al.'s Lookahead, not Fu et al.'s Jacobi 'lookahead decoding')",
            "Zhao et al. 2023", ("decoding_length", "branch_length", "lookahead_mode", "fixed_size"),
            Size("decoding_length", TrieDrafter.DEFAULT_DECODING_LENGTH, 1), drafter=lookahead_drafter),
+    Method("recycling", "token recycling: a tree of guesses read from the model's own top-8 next tokens after "
+           "each token the last time it was an input (recycling.py)", "Luo et al. 2024",
+           ("tree_rows", "fixed_size"), Size("tree_rows", RecyclingDrafter.DEFAULT_ROWS, 0), drafter=recycling_drafter),
     Method("speculative", "a small draft model guesses a chain of --gamma tokens (by default a draft made of "
            "the model's own first --draft-layers layers)", "Leviathan et al. 2023; Chen et al. 2023",
            ("draft_model", "draft_layers", "gamma", "fixed_size"), drafter=draft_model_drafter),
@@ -245,7 +253,8 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
     "tree_rows": ("--tree-rows", dict(
         type=integer(2, MAX_TREE_ROWS), metavar="N",
         help=f"inputs per forward pass, 2..{MAX_TREE_ROWS}: the root, the guesses and (ppd) the soft tokens "
-             f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS})")),
+             f"(default: what --calibrate chose on this machine, else {DEFAULT_TREE_ROWS}; recycling: "
+             f"{RecyclingDrafter.DEFAULT_ROWS}, the candidates cost-aware drafting cuts from)")),
     "fixed_size": ("--fixed-size", dict(
         action="store_true",
         help="send the method's whole tree every step, as its paper does, instead of the part of it that pays "
@@ -332,7 +341,12 @@ def refuse_idle_options(args, parser, rules, methods: list[str]) -> None:
     """Refuse an option given where it does nothing: each rule is (dest, acts(args), where it acts).
     A method's own options act only with that method (one of `methods`, those asked for)."""
     refuse_idle(args, parser, [(dest, lambda args, dest=dest: bool(set(methods) & set(methods_taking(dest))),
-                                "--method " + " and ".join(methods_taking(dest))) for dest in OPTIONS] + rules)
+                                "--method " + spoken_list(methods_taking(dest))) for dest in OPTIONS] + rules)
+
+
+def spoken_list(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 def refuse_idle(args, parser, rules) -> None:

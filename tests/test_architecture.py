@@ -18,7 +18,7 @@ TIERS = [  # a module may import modules of its own tier or lower ones, never hi
     ["errors", "meter", "progress", "staging", "latency", "cpu_kernels", "model", "kv_cache", "tree", "sampling",
      "tokenizer", "convert",
      "artifacts", "bench_data", "prompts", "charts"],  # foundations
-    ["verify", "drafters", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
+    ["verify", "drafters", "recycling", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
      "combined"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop
     ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text

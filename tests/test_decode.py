@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 from helpers import random_model, tiny_hf_config, tiny_model
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
+from recycling import RecyclingDrafter
 from errors import UserError
 from sampling import Sampling
 from tree import Tree
@@ -108,6 +109,7 @@ def drafters(seed, truth):
         "anpd-bigram": NGramDrafter(n=2, k=3),
         "lookahead": TrieDrafter(decoding_length=8, branch_length=4),
         "lookahead-parallel": TrieDrafter(decoding_length=8, branch_length=4, hierarchical=False),
+        "recycling": RecyclingDrafter(VOCAB, 12),
         "random": RandomGuesses(seed),
         "oracle": CorruptedOracle(seed, truth),
     }
@@ -186,9 +188,10 @@ PROMPTS = [
 
 
 
-@pytest.mark.parametrize("method", ["anpd", "lookahead"])
+@pytest.mark.parametrize("method", ["anpd", "lookahead", "recycling"])
 def test_default_model_methods_equal_vanilla(default_model, default_tokenizer, method):
-    drafter = NGramDrafter() if method == "anpd" else TrieDrafter()
+    drafter = {"anpd": NGramDrafter, "lookahead": TrieDrafter,
+               "recycling": lambda: RecyclingDrafter(default_model.config.vocab_size, 15)}[method]()
     total_passes = total_tokens = 0
     for text in PROMPTS:  # one drafter for all prompts: Lookahead's trie carries over
         prompt = default_tokenizer.prompt_ids(text, raw=False)

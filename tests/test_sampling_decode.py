@@ -22,6 +22,7 @@ from cost_aware import CostAware, Costs
 from latency import Latency
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from recycling import RecyclingDrafter
 from medusa import MedusaDrafter, MedusaHeads
 from model import LlamaConfig, build_model
 from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
@@ -115,6 +116,7 @@ def drafters(model, other_draft):
     return {
         "anpd": lambda: NGramDrafter(n=3, k=3),
         "lookahead": lambda: TrieDrafter(decoding_length=6, branch_length=3),
+        "recycling": lambda: RecyclingDrafter(model.config.vocab_size, 6),
         "speculative-self": lambda: DraftModelDrafter(model.first_layers(1), gamma=3),
         "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
         "medusa": lambda: medusa(model),
@@ -128,8 +130,8 @@ def drafters(model, other_draft):
     }
 
 
-@pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative-self", "speculative-other", "medusa", "ppd",
-                                    "speculative-cost-aware", "auto"])
+@pytest.mark.parametrize("method", ["anpd", "lookahead", "recycling", "speculative-self", "speculative-other", "medusa",
+                                    "ppd", "speculative-cost-aware", "auto"])
 def test_sampled_tokens_follow_the_model(model, prompt, other_draft, method):
     counts, accepted = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
     assert accepted > RUNS // 8  # guesses were accepted often, so the verifier was really tested
@@ -142,7 +144,7 @@ def test_vanilla_sampling_passes_the_same_test(model, prompt):
     assert chi_square_p_value(counts, exact_joint(model, prompt, SAMPLING, LENGTH)) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["anpd", "speculative-other", "ppd"])
+@pytest.mark.parametrize("method", ["anpd", "recycling", "speculative-other", "ppd"])
 def test_a_deliberately_wrong_rule_is_caught(model, prompt, other_draft, method, monkeypatch):
     """After a rejection, draw from p instead of the residual: guessed tokens come out too often."""
     monkeypatch.setattr(verify_module, "residual_after_rejection", lambda p, q: p)

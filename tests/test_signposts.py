@@ -29,7 +29,7 @@ NEW_TOKENS = 48
 # cuts decide by the ratios of L(n), and a drafter's own time (which they add, and which varies from
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
-ORDER = ["vanilla", "anpd", "lookahead", "speculative", "medusa", "ppd", "auto", "apar"]
+ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
 def traced(run) -> set[tuple[str, str]]:
