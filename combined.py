@@ -50,7 +50,6 @@ class SoftTokensOnRoot(Drafter):
     def __init__(self, ppd: PPDDrafter):
         self.ppd = ppd
         self.max_extra_inputs = max(len(state.spec) for state in ppd.dynamic_tree.states.values())
-        self.gain = ppd.predicted_tokens_per_pass - 1  # accepted guesses per pass (held-out accuracies)
 
     def begin(self, request):
         self.ppd.begin(request)
@@ -104,7 +103,7 @@ class CombinedDrafter(Drafter):
         if not self.soft:
             return tree
         carried = self.soft.on_root(tree)
-        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.soft.gain):
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.expected_guesses(self.soft.ppd.shape)):
             return carried
         return tree
 

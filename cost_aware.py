@@ -38,8 +38,9 @@ cannot make guesses look cheaper next to it than they are.
 `Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
 A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
 as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
-time too (`worth_running`), and `--method auto` carries PPD's soft tokens when their guesses for the
-next pass pay for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY passes in a row
+time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when their guesses
+for the next pass, as this generation's outcomes estimate them, pay for their inputs in this one
+(`extra_inputs_pay`). After PROBE_EVERY passes in a row
 whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
 misses can recover (a probe that finds nothing doubles the wait for the next).
 """
@@ -111,10 +112,10 @@ def best_chain_prefix(tree: Tree, p: Sequence[float], latency: Callable[[int], f
     return tree if rows == len(tree) else tree.subtree(list(range(rows)))
 
 
-def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]) -> Tree:
-    """The subtree (root included) of the largest expected tokens per second: its nodes are the first
-    k in the order of reach, for the best k (see the module docstring). A node's inputs are itself and
-    its soft tokens."""
+def best_subtree_nodes(tree: Tree, p: Sequence[float], latency: Callable[[int], float]) -> list[int]:
+    """The nodes (ascending, root first) of the subtree of the largest expected tokens per second:
+    the first k in the order of reach, for the best k (see the module docstring). A node's inputs are
+    itself and its extra inputs (soft tokens)."""
     reached = reach(tree, p)
     inputs = [tree.inputs_of(node) for node in range(len(tree))]
     order = sorted(range(1, len(tree)), key=lambda node: (-reached[node], node))
@@ -124,9 +125,13 @@ def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]
         expected, rows = expected + reached[node], rows + inputs[node]
         if expected / latency(rows) > best_rate:  # strictly: a guess that adds nothing is left out
             best_rate, best_k = expected / latency(rows), k
-    if best_k == len(order):
-        return tree
-    return tree.subtree([0] + sorted(order[:best_k]))
+    return [0] + sorted(order[:best_k])
+
+
+def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]) -> Tree:
+    """The subtree (root included) of the largest expected tokens per second (best_subtree_nodes)."""
+    nodes = best_subtree_nodes(tree, p, latency)
+    return tree if len(nodes) == len(tree) else tree.subtree(nodes)
 
 
 def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], float], most: int) -> int:
@@ -156,7 +161,8 @@ class Costs:
 
     def begin(self) -> None:
         self.estimates = AcceptanceEstimates()
-        self.idle = 0  # passes in a row whose guesses were all cut (or never made)
+        self.idle = 0  # passes in a row whose guesses were all cut (or never made), or extra inputs left out
+        self.withheld = False  # whether extra_inputs_pay left this pass's extra inputs out
         self.probe_after, self.probing = self.PROBE_EVERY, False
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
 
@@ -188,13 +194,14 @@ class Costs:
         """The part of the candidates that pays (best_subtree; best_chain_prefix for a sampled chain),
         or all of them on a probe."""
         self.passes += 1
+        withheld, self.withheld = self.withheld, False
         root_alone = candidates.subtree([0])
         if not self.latency.measured_enough(root_alone.input_count):
             return root_alone
         tree = self.best_part(candidates)
         if len(tree) > 1:
             self.idle = 0
-        elif len(candidates) > 1:
+        elif len(candidates) > 1 or withheld:
             self.idle += 1
         if self.idle > self.probe_after:
             tree, self.idle, self.probing = candidates, 0, True
@@ -241,18 +248,33 @@ class Costs:
         return False
 
     def extra_inputs_pay(self, tree: Tree, carried: Tree, gain: float) -> bool:
-        """Whether `carried` (`tree` with extra inputs on its root whose guesses bring the next pass
-        `gain` accepted guesses when this one accepts none) beats `tree`: the next pass uses them
-        with probability P0 = 1 - the sum of p over the root's children (different tokens), so they
-        pay when (E + P0 gain) / L(their inputs too) > E / L(tree's inputs), judged on the part of
-        `tree` that pays."""
-        best = self.best_part(tree)
+        """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses bring the
+        next pass `gain` accepted guesses when this one's accepted path ends at such a node) beats
+        `tree`, both cut to the part of `tree` that pays: the next pass gets them with probability
+        P = the sum, over the nodes that carry them, of the chance that the path ends there (reached,
+        and none of its children taken: they are different tokens), so they pay when
+        (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
+        that left them out or cut every guess, they ride along once, so that `gain`, estimated from
+        their guesses' outcomes, can recover."""
+        if self.idle >= self.probe_after:
+            self.idle, self.withheld = 0, False
+            return True
+        nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
+        best, best_carried = tree.subtree(nodes), carried.subtree(nodes)
         p = self.estimates_of(best)
-        expected = sum(reach(best, p))
-        ends_at_root = max(0.0, 1.0 - sum(p[child] for child in best.children[0]))
-        extra = carried.input_count - len(tree)
-        return ((expected + ends_at_root * gain) / self.pass_cost(best.input_count + extra)
+        reached = reach(best, p)
+        expected = sum(reached)
+        carriers = set(best_carried.extra.node) if best_carried.extra else set()
+        ends = sum(reached[node] * max(0.0, 1.0 - sum(p[child] for child in best.children[node])) for node in carriers)
+        pays = ((expected + ends * gain) / self.pass_cost(best_carried.input_count)
                 > expected / self.pass_cost(best.input_count))
+        self.withheld = not pays
+        return pays
+
+    def expected_guesses(self, shape: Tree) -> float:
+        """The accepted guesses expected of the part of a tree of this shape that pays, as the estimates
+        stand (its evidence depends on where its nodes are, not on their tokens)."""
+        return sum(reach(self.best_part(shape), self.estimates_of(self.best_part(shape)))) - 1.0
 
     def best_part(self, tree: Tree) -> Tree:
         """The part of `tree` that pays, as the estimates stand."""

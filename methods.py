@@ -134,7 +134,8 @@ def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
 
 
 def ppd_drafter(build: Build) -> ppd.PPDDrafter:
-    return ppd.load_drafter(build.model, trained_path("ppd", build.options), build.inputs, build.options.static_tree)
+    return ppd.load_drafter(build.model, trained_path("ppd", build.options), build.inputs, build.options.static_tree,
+                            build.costs)
 
 
 def auto_drafter(build: Build):

@@ -90,12 +90,16 @@ class PPDDrafter(TopKDrafter):
     soft tokens the tree allots them."""
 
     def __init__(self, model, soft_tokens: SoftTokens, dynamic_tree: "DynamicSparseTree",
-                 accuracy: list[list[float]]):
+                 accuracy: list[list[float]], costs=None):
         self.model, self.soft_tokens, self.dynamic_tree = model, soft_tokens.requires_grad_(False), dynamic_tree
         self.accuracy = accuracy  # accuracy[d][r], held out: the prior of each guess's acceptance
         prefill_inputs = soft_tokens.count * soft_tokens.ensembles  # after the prompt, in the prefill
         self.max_extra_inputs = max(prefill_inputs, dynamic_tree.inputs - 1)
         self.predicted_tokens_per_pass = dynamic_tree.tokens_per_pass
+        self.costs = costs  # cost-aware drafting (cost_aware.Costs): soft tokens ride only where they pay
+        fullest = dynamic_tree.states[max(dynamic_tree.states)]  # the tree after a node carrying them all
+        placeholder = [[0] * len(ranks) for ranks in accuracy]
+        self.shape = Tree.from_topk(0, placeholder, fullest.spec, accuracy=accuracy, source="ppd")
 
     def carrying(self, tree: Tree, counts: Sequence[int]) -> Tree:
         """`tree` with counts[i] soft tokens (all their copies) on node i."""
@@ -113,12 +117,24 @@ class PPDDrafter(TopKDrafter):
             self.keep_top(self.soft_tokens.ensemble_average(soft_logits))
 
     def propose(self):
-        state = self.dynamic_tree.states[len(self.candidates)]
-        tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
-        return self.carrying(tree, state.soft_counts)
+        if not self.candidates:  # the last pass carried no soft tokens: the root carries them all, as in the prefill
+            tree = Tree.chain(self.history[-1], [])
+            carried = self.carrying(tree, [self.soft_tokens.count])
+        else:
+            state = self.dynamic_tree.states[len(self.candidates)]
+            tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
+            carried = self.carrying(tree, state.soft_counts)
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.expected_gain()):
+            return carried
+        return tree  # a pass without soft tokens: the next one has no guesses of theirs
+
+    def expected_gain(self) -> float:
+        """The accepted guesses the soft tokens' next tree is expected to bring: its part that pays,
+        as this generation's outcomes of their guesses (the held-out accuracies at first) stand."""
+        return self.costs.expected_guesses(self.shape)
 
 
-def load_drafter(model, path: Path, inputs: int, static: bool = False) -> PPDDrafter:
+def load_drafter(model, path: Path, inputs: int, static: bool = False, costs=None) -> PPDDrafter:
     """The soft tokens saved at `path` by train_prompt.py (checked to be made for `model`), with the
     dynamic sparse tree (or, `static`, every node carrying all soft tokens) of at most `inputs` inputs
     per pass that their held-out accuracies make best."""
@@ -134,7 +150,7 @@ def load_drafter(model, path: Path, inputs: int, static: bool = False) -> PPDDra
             raise TooFewRows(f"--tree-rows {inputs} cannot hold the root and its soft tokens ({m} soft tokens "
                              f"x {n} EPTs{'' if static else ', at least one per node'}): use at least {smallest}")
         tree = best_dynamic_sparse_tree(meta["accuracy"], inputs, m, n, dynamic=not static)
-        return PPDDrafter(model, soft_tokens, tree, meta["accuracy"])
+        return PPDDrafter(model, soft_tokens, tree, meta["accuracy"], costs)
 
 
 # ---- the dynamic sparse tree (section 4) ---------------------------------------------------------

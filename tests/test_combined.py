@@ -16,7 +16,7 @@ from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equa
                      tiny_model, trees)
 from methods import METHODS, build_drafter, default_options
 from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
-from tree import Tree
+from tree import Evidence, Tree
 
 
 def random_ppd(model, seed=0):
@@ -120,7 +120,37 @@ def test_soft_tokens_ride_along_only_when_their_next_pass_pays():
     assert len(carried.extra_rows(0)) == 6 and carried.input_count == 8
     bare = carried.with_extra(None)
     expected, ends_at_root = 1.5, 0.5
+    gain = soft.ppd.predicted_tokens_per_pass - 1
     for soft_cost, kept in [(0.0, True), (0.01, True), (5.0, False)]:
         latency = Latency({1: 1.0, 2: 1.0, 8: 1.0 + soft_cost})
-        assert Costs(latency).extra_inputs_pay(bare, carried, soft.gain) == kept
-        assert kept == ((expected + ends_at_root * soft.gain) / latency(8) > expected / latency(2))
+        assert Costs(latency).extra_inputs_pay(bare, carried, gain) == kept
+        assert kept == ((expected + ends_at_root * gain) / latency(8) > expected / latency(2))
+
+
+def test_soft_tokens_on_deeper_nodes_pay_with_the_chance_the_path_ends_there():
+    """PPD's own trees hang soft tokens on every node: the next pass gets their guesses wherever this
+    one's accepted path ends, P = the sum over the carrying nodes of P(path ends there)."""
+    model = tiny_model(0)
+    ppd = random_ppd(model)
+    tree = Tree.chain(1, [5, 6], evidence=[(Evidence(("x",), 0.5),), (Evidence(("x",), 0.5),)])
+    carried = ppd.carrying(tree, [0, 0, ppd.soft_tokens.count])  # on the deepest node only: P = 1/4
+    inputs = carried.input_count
+    expected = 1 + 0.5 + 0.25
+    for gain in [0.1, 1.0, 10.0]:
+        latency = Latency({1: 1.0, 3: 1.0, inputs: 1.5})
+        kept = (expected + 0.25 * gain) / 1.5 > expected / 1.0
+        assert Costs(latency).extra_inputs_pay(tree, carried, gain) == kept
+
+
+def test_left_out_soft_tokens_are_probed_again():
+    """Soft tokens left out PROBE_EVERY passes in a row ride along once: their estimates can recover."""
+    costs = Costs(Latency({1: 1.0, 2: 1.0, 8: 100.0}))
+    model = tiny_model(0)
+    soft = SoftTokensOnRoot(random_ppd(model))
+    bare = Tree.chain(1, [])
+    carried = soft.ppd.carrying(bare, [soft.ppd.soft_tokens.count])
+    decisions = []
+    for _ in range(3 * Costs.PROBE_EVERY):
+        decisions.append(costs.extra_inputs_pay(bare, carried, 1.0))
+        costs.cut(carried if decisions[-1] else bare)
+    assert decisions.count(True) == 2 and not any(decisions[:Costs.PROBE_EVERY])

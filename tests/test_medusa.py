@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
+import medusa
+from decode import generate
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                       self_distilled_record, tiny_model)
 from medusa import MedusaDrafter, MedusaHeads, load_drafter, medusa_accuracy, medusa_loss
@@ -54,3 +56,19 @@ def test_medusa_training_lowers_the_loss():
     accuracy = medusa_accuracy(model, heads, hidden, targets)
     assert len(accuracy) == 2 and all(0 <= a <= 1 for row in accuracy for a in row)
 
+
+
+def test_the_heads_guess_within_the_shortlist_and_lose_nothing_else(monkeypatch):
+    """While decoding the heads rank the vocabulary's first SHORTLIST tokens only: each head's top-k
+    is the top-k of its full logits among those tokens, and the output is still vanilla's."""
+    monkeypatch.setattr(medusa, "SHORTLIST", VOCAB // 2)
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    drafter = random_medusa(model, 1, 3, 8)
+    seen = []
+    generate(model, [1, 2, 3], max_new_tokens=30, eos_ids=set(), drafter=drafter,
+             on_pass=lambda done: seen.append((done.last_hidden(), [list(c) for c in drafter.candidates])))
+    for hidden, candidates in seen:
+        full = drafter.heads(hidden, model.lm_head)  # [K, V]
+        expected = full[:, :VOCAB // 2].topk(len(candidates[0]), dim=-1).indices.tolist()
+        assert candidates == expected
+    assert_equals_vanilla_greedy(model, [1, 2, 3], 30, set(), random_medusa(model, 1, 3, 8))

@@ -31,6 +31,9 @@ from ppd import (
 )
 from train_prompt import ppd_record_loss
 from tree import Tree, best_sparse_tree
+from cost_aware import CostAware, Costs
+from decode import generate
+from latency import Latency
 
 VOCAB = 16
 
@@ -114,24 +117,42 @@ def test_dynamic_tree_allotment_by_hand():
 
 # ---- greedy equality ----------------------------------------------------------------------------
 
-def random_ppd(model, seed, m, ensembles, rows, dynamic):
+def random_ppd(model, seed, m, ensembles, rows, dynamic, costs=None):
     generator = torch.Generator().manual_seed(seed)
     tokens = SoftTokens(torch.randn(m, ensembles, model.config.hidden_size, generator=generator,
                                       dtype=torch.float64))
     accuracy = random_accuracy(random.Random(seed), m, 4)
     rows = max(rows, 1 + (1 if dynamic else m) * ensembles)
-    return PPDDrafter(model, tokens, best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic), accuracy)
+    return PPDDrafter(model, tokens, best_dynamic_sparse_tree(accuracy, rows, m, ensembles, dynamic), accuracy, costs)
 
 
 @settings(deadline=None)
 @given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
        max_new=st.integers(1, 40), eos=st.sets(st.integers(0, VOCAB - 1), max_size=2),
        dynamic=st.booleans(), size=st.integers(1, 3), ensembles=st.integers(1, 3), rows=st.integers(2, 24),
-       drafter_seed=st.integers(0, 10**6))
-def test_ppd_equals_vanilla_greedy(seed, prompt, max_new, eos, dynamic, size, ensembles, rows, drafter_seed):
+       drafter_seed=st.integers(0, 10**6), input_cost=st.sampled_from([None, 0.0, 0.2, 100.0]))
+def test_ppd_equals_vanilla_greedy(seed, prompt, max_new, eos, dynamic, size, ensembles, rows, drafter_seed,
+                                   input_cost):
+    """input_cost: None, PPD's trees whole; else cost-aware, each input beyond the root costing that
+    much of a pass (100: soft tokens never pay, and ride along only on probes)."""
     model = model_of(seed)
-    drafter = random_ppd(model, drafter_seed, size, ensembles, rows, dynamic=dynamic)
+    if input_cost is None:
+        drafter = random_ppd(model, drafter_seed, size, ensembles, rows, dynamic=dynamic)
+    else:
+        costs = Costs(Latency({1: 1.0, 64: 1.0 + 63 * input_cost}))
+        drafter = CostAware(random_ppd(model, drafter_seed, size, ensembles, rows, dynamic, costs), costs)
     assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
+
+
+def test_soft_tokens_that_never_pay_ride_along_only_on_probes():
+    model = model_of(0)
+    costs = Costs(Latency({1: 1.0, 64: 1000.0}))
+    drafter = CostAware(random_ppd(model, 0, 2, 1, 8, True, costs), costs)
+    carried = []
+    generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter,
+             on_pass=lambda done: carried.append(done.tree.extra is not None and len(done.tree.extra) > 0))
+    passes = carried[1:]  # after the prefill, which carries them (it has no cost-aware choice)
+    assert any(passes) and sum(passes) <= len(passes) // Costs.PROBE_EVERY + 1
 
 
 def test_shipped_soft_tokens_equal_vanilla_on_the_default_model(default_model, default_tokenizer):
