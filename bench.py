@@ -97,6 +97,7 @@ KERNEL_ROWS = [1, 2, 4, 8, 16, 64]
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
+HINDSIGHT = "best per prompt (hindsight)"  # per prompt, the fastest of ours (vanilla included) in the decode phase
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: the paper's whole tree
     "anpd": ("anpd", {}), "lookahead": ("lookahead", {}),
@@ -269,8 +270,10 @@ def bench_methods(args, tokenizer, report):
         methods = (["vanilla"] + args.methods + ([PEER] if peer else [])
                    + (LLAMA_CPP if llama and greedy_float32 else []))
         warm_up(model, peer, tokenizer)
+        hindsight = []  # per category: auto's decode speedup, the per-prompt best's
         for category, texts in prompt_sets.items():
-            tallies = {name: Tally() for name in methods}
+            ours = ["vanilla"] + args.methods
+            tallies = {name: Tally() for name in ours + [HINDSIGHT] + methods[len(ours):]}
             for number, text in enumerate(texts, 1):
                 prompt_ids = tokenizer.prompt_ids(text, raw=False)
                 runs = {name: [] for name in methods}
@@ -288,10 +291,23 @@ def bench_methods(args, tokenizer, report):
                             runs[name].append(llama.run(tokenizer.chat_prompt(text), args, draft, answer))
                 for name, prompt_runs in runs.items():
                     tallies[name].add_run(best_of(prompt_runs))
+                # the oracle `auto` is measured against: had each prompt been decoded by the method
+                # that turned out fastest on it
+                tallies[HINDSIGHT].add_run(min((best_of(runs[name]) for name in ours), key=lambda run: run.decode_seconds))
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
             report_category(report, dtype_name, category, tallies, args)
+            if "auto" in tallies:
+                vanilla_rate = tallies["vanilla"].decode_tokens_per_second
+                hindsight.append([category, tallies["auto"].decode_tokens_per_second / vanilla_rate,
+                                  tallies[HINDSIGHT].decode_tokens_per_second / vanilla_rate])
+        if hindsight:
+            report.table(f"{dtype_name}: auto against the best of ours per prompt in hindsight (decode speedups; the "
+                         f"share is how much of the hindsight speedup auto reached)",
+                         [Column("category"), Column("auto", fmt="{:.2f}x"), Column("hindsight", fmt="{:.2f}x"),
+                          Column("share", fmt="{:.0%}")],
+                         [[c, a, h, a / h] for c, a, h in hindsight], kind="hindsight", dtype=dtype_name)
         report.table(f"{dtype_name}: the L(n) cost-aware drafting decided with, in ms: the saved table this run "
                      "started from, and the run's own estimate at its end (passes it timed of each size)",
                      [Column("n"), Column("start", "saved L(n)", "{:.1f}"), Column("end", "measured L(n)", "{:.1f}"),

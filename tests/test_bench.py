@@ -58,8 +58,14 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
                 "--skip-transformers", "--llama-cpp", str(fake_llama_cpp), "--out", str(out)])
     table = json.loads(out.read_text())["tables"][0]
     rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
-    assert list(rows) == ["vanilla", "anpd", "auto", "llama.cpp vanilla", "llama.cpp lookup"]
+    assert list(rows) == ["vanilla", "anpd", "auto", bench.HINDSIGHT, "llama.cpp vanilla", "llama.cpp lookup"]
     assert all(rows[m]["same_as_vanilla"] == "1/1" for m in ["anpd", "auto"])
+    # the best of ours per prompt in hindsight: one prompt, so the fastest of them in the decode phase
+    assert rows[bench.HINDSIGHT]["decode_speedup"] == pytest.approx(
+        max(rows[m]["decode_speedup"] for m in ["vanilla", "anpd", "auto"]))
+    hindsight = next(t for t in json.loads(out.read_text())["tables"] if t.get("kind") == "hindsight")
+    category, auto, best, share = hindsight["rows"][0]
+    assert category == "chat" and auto == pytest.approx(rows["auto"]["decode_speedup"]) and share == auto / best <= 1
     assert rows["vanilla"]["decode_tokens_per_second"] > rows["vanilla"]["tokens_per_second"] * 0.5
     # llama.cpp: 10 tokens after the first in 1.0 s plainly, in 0.4 s with lookup; 11 tokens in 5 passes
     assert rows["llama.cpp vanilla"]["decode_tokens_per_second"] == pytest.approx(10.0)
