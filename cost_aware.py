@@ -274,7 +274,8 @@ class Costs:
     def expected_guesses(self, shape: Tree) -> float:
         """The accepted guesses expected of the part of a tree of this shape that pays, as the estimates
         stand (its evidence depends on where its nodes are, not on their tokens)."""
-        return sum(reach(self.best_part(shape), self.estimates_of(self.best_part(shape)))) - 1.0
+        best = self.best_part(shape)
+        return sum(reach(best, self.estimates_of(best))) - 1.0
 
     def best_part(self, tree: Tree) -> Tree:
         """The part of `tree` that pays, as the estimates stand."""

@@ -106,8 +106,9 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15)
     candidate kernel for their dtype; the median of `repeats` passes, candidates and sizes
     interleaved so that machine noise hits all alike."""
     weight = linears[0].weight
-    candidates = {"F.linear": lambda m, x: F.linear(x, m.weight),
-                  "packed": lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), None, "none", [], "")}
+    candidates = {"F.linear": lambda m, x: F.linear(x, m.weight)}
+    if torch.backends.mkldnn.is_available():
+        candidates["packed"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), None, "none", [], "")
     if weight.dtype == torch.float32:
         candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
     inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, dtype=weight.dtype) for m in linears}

@@ -90,8 +90,7 @@ class MedusaDrafter(TopKDrafter):
         self.predicted_tokens_per_pass = 1 + expected_accepted(accuracy, self.spec)
         self.costs = costs  # cost-aware drafting (cost_aware.Costs), or None: the heads always run
         self.shortlist_head = shortlist_head(model.lm_head, SHORTLIST)
-        placeholder = [[0] * len(ranks) for ranks in accuracy]  # the tree's shape and evidence, whatever the heads guess
-        self.shape = Tree.from_topk(0, placeholder, self.spec, accuracy=accuracy, source="medusa")
+        self.shape = Tree.shape_of(self.spec, accuracy, "medusa")  # the tree's shape and evidence, whatever the heads guess
 
     def begin(self, request):
         super().begin(request)

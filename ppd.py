@@ -98,8 +98,7 @@ class PPDDrafter(TopKDrafter):
         self.predicted_tokens_per_pass = dynamic_tree.tokens_per_pass
         self.costs = costs  # cost-aware drafting (cost_aware.Costs): soft tokens ride only where they pay
         fullest = dynamic_tree.states[max(dynamic_tree.states)]  # the tree after a node carrying them all
-        placeholder = [[0] * len(ranks) for ranks in accuracy]
-        self.shape = Tree.from_topk(0, placeholder, fullest.spec, accuracy=accuracy, source="ppd")
+        self.shape = Tree.shape_of(fullest.spec, accuracy, "ppd")
 
     def carrying(self, tree: Tree, counts: Sequence[int]) -> Tree:
         """`tree` with counts[i] soft tokens (all their copies) on node i."""
@@ -124,14 +123,11 @@ class PPDDrafter(TopKDrafter):
             state = self.dynamic_tree.states[len(self.candidates)]
             tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
             carried = self.carrying(tree, state.soft_counts)
-        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.expected_gain()):
+        # their gain: what their next tree is expected to bring, as this generation's outcomes of their
+        # guesses (the held-out accuracies at first) stand
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.expected_guesses(self.shape)):
             return carried
         return tree  # a pass without soft tokens: the next one has no guesses of theirs
-
-    def expected_gain(self) -> float:
-        """The accepted guesses the soft tokens' next tree is expected to bring: its part that pays,
-        as this generation's outcomes of their guesses (the held-out accuracies at first) stand."""
-        return self.costs.expected_guesses(self.shape)
 
 
 def load_drafter(model, path: Path, inputs: int, static: bool = False, costs=None) -> PPDDrafter:

@@ -187,6 +187,13 @@ class Tree:
             evidence.append((Evidence((source, depth + 1, rank), accuracy[depth][rank]),) if accuracy else ())
         return cls(tokens, parents, evidence=evidence)
 
+    @classmethod
+    def shape_of(cls, spec: Iterable[Sequence[int]], accuracy: Sequence[Sequence[float]], source: str) -> "Tree":
+        """`from_topk`'s tree of `spec` with placeholder tokens: its shape and evidence, which depend on
+        where its nodes are and not on what they guess (cost-aware drafting judges a guesser's next
+        tree by it before the guesser runs)."""
+        return cls.from_topk(0, [[0] * len(ranks) for ranks in accuracy], spec, accuracy=accuracy, source=source)
+
     def with_extra(self, extra: ExtraInputs | None) -> "Tree":
         """The same nodes, carrying `extra` inputs instead."""
         return Tree(self.tokens, self.parents, self.draft_probs, self.evidence, extra)
