@@ -40,7 +40,7 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        kernel = self.kernel(x.device, x.dtype, rows) if not x.requires_grad else "F.linear"  # training
+        kernel = "F.linear" if x.requires_grad else self.kernel(x.device, x.dtype, rows)  # training
         # (train_prompt.py) needs kernels autograd knows
         if kernel == "blocked":
             return self.blocked_matmul(x, rows)
@@ -51,24 +51,18 @@ class Linear(nn.Linear):
 
     def kernel(self, device, dtype, rows) -> str:
         """Which kernel multiplies `rows` rows: "blocked", "packed" or "F.linear"."""
-        if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
-            return "F.linear"
-        if dtype == torch.float32:
-            if rows <= self.MAX_BLOCKED_ROWS and self.weight.shape[0] % self.BLOCK_ROWS == 0:
-                return "blocked"
-            return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
-        if dtype == torch.bfloat16 and bfloat16_kernels():
-            return "packed"
-        return "F.linear"
+        return kernel_for(device.type, dtype, rows, self.out_features % self.BLOCK_ROWS == 0)
 
     def blocked_matmul(self, x, rows):
-        out_features, in_features = self.weight.shape
-        blocks = self.weight.view(-1, self.BLOCK_ROWS, in_features)  # [O/64, 64, I]
+        # a decoding step calls this 121 times and each tensor operation costs about a microsecond of
+        # dispatch whatever its size, so it takes as few as it can (the product of one row: ~2 us)
+        blocks = self.weight.view(-1, self.BLOCK_ROWS, self.in_features)  # [O/64, 64, I]
         # x's rows must be contiguous (an [I, rows] view with strides (1, I)): MKL's batched GEMM takes
         # 5x as long on the transposed layout (what a .T.reshape view of an earlier output would hand it)
-        x_columns = x.reshape(rows, in_features).contiguous().T.expand(len(blocks), in_features, rows)
-        y = torch.bmm(blocks, x_columns)  # [O/64, 64, rows]
-        return y.view(out_features, rows).T.contiguous().view(*x.shape[:-1], out_features)
+        x_columns = x.reshape(rows, self.in_features).contiguous().T  # [I, rows]
+        y = torch.bmm(blocks, x_columns.expand(len(blocks), -1, -1))  # [O/64, 64, rows]
+        # and so must the output's, for the next layer: [rows, O] row-major (a copy when rows > 1)
+        return y.view(self.out_features, rows).T.contiguous().view(*x.shape[:-1], self.out_features)
 
     def packed_weight(self):
         """W re-laid out for oneDNN, made once and remade if W changes."""
@@ -79,6 +73,21 @@ class Linear(nn.Linear):
             self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
             self._packed_key = key
         return self._packed_weight
+
+
+@functools.cache
+def kernel_for(device_type: str, dtype: torch.dtype, rows: int, blockable: bool) -> str:
+    """Linear.kernel's choice, made once per case (a step asks 121 times): `blockable` when the
+    weight's rows split into BLOCK_ROWS-row blocks."""
+    if device_type != "cpu" or rows > Linear.MAX_PACKED_ROWS:
+        return "F.linear"
+    if dtype == torch.float32:
+        if rows <= Linear.MAX_BLOCKED_ROWS and blockable:
+            return "blocked"
+        return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
+    if dtype == torch.bfloat16 and bfloat16_kernels():
+        return "packed"
+    return "F.linear"
 
 
 @functools.cache
