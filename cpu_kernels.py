@@ -51,7 +51,15 @@ class Linear(nn.Linear):
 
     def kernel(self, device, dtype, rows) -> str:
         """Which kernel multiplies `rows` rows: "blocked", "packed" or "F.linear"."""
-        return kernel_for(device.type, dtype, rows, self.out_features % self.BLOCK_ROWS == 0)
+        if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
+            return "F.linear"
+        if dtype == torch.float32:
+            if rows <= self.MAX_BLOCKED_ROWS and self.out_features % self.BLOCK_ROWS == 0:
+                return "blocked"
+            return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
+        if dtype == torch.bfloat16 and bfloat16_kernels():
+            return "packed"
+        return "F.linear"
 
     def blocked_matmul(self, x, rows):
         # a decoding step calls this 121 times and each tensor operation costs about a microsecond of
@@ -73,21 +81,6 @@ class Linear(nn.Linear):
             self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
             self._packed_key = key
         return self._packed_weight
-
-
-@functools.cache
-def kernel_for(device_type: str, dtype: torch.dtype, rows: int, blockable: bool) -> str:
-    """Linear.kernel's choice, made once per case (a step asks 121 times): `blockable` when the
-    weight's rows split into BLOCK_ROWS-row blocks."""
-    if device_type != "cpu" or rows > Linear.MAX_PACKED_ROWS:
-        return "F.linear"
-    if dtype == torch.float32:
-        if rows <= Linear.MAX_BLOCKED_ROWS and blockable:
-            return "blocked"
-        return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
-    if dtype == torch.bfloat16 and bfloat16_kernels():
-        return "packed"
-    return "F.linear"
 
 
 @functools.cache
