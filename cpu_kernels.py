@@ -62,8 +62,8 @@ class Linear(nn.Linear):
         return "F.linear"
 
     def blocked_matmul(self, x, rows):
-        # a decoding step calls this 121 times and each tensor operation costs about a microsecond of
-        # dispatch whatever its size, so it takes as few as it can (the product of one row: ~2 us)
+        # a decoding step calls this 121 times, and each tensor operation, a view included, costs about
+        # a microsecond of dispatch however small it is: so no more of them than the product needs
         blocks = self.weight.view(-1, self.BLOCK_ROWS, self.in_features)  # [O/64, 64, I]
         # x's rows must be contiguous (an [I, rows] view with strides (1, I)): MKL's batched GEMM takes
         # 5x as long on the transposed layout (what a .T.reshape view of an earlier output would hand it)

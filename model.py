@@ -220,7 +220,8 @@ class Attention(nn.Module):
         H, K, E = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.wqkv(x).split([(H + K) * E, K * E], dim=-1)  # [B, T, (H+K)*E], [B, T, K*E]
         # queries and keys rotate alike, so one call rotates both: a decoding step runs ~60 small tensor
-        # operations per layer, each a few microseconds of dispatch whatever its size; this saves seven
+        # operations per layer, each a few microseconds of dispatch whatever its size, and a second
+        # apply_rotary would be seven more
         qk = apply_rotary(qk.view(B, T, H + K, E).transpose(1, 2), cos, sin)  # [B, H+K, T, E]
         q, k = qk.split([H, K], dim=1)  # [B, H, T, E], [B, K, T, E]
         v = v.view(B, T, K, E).transpose(1, 2)  # [B, K, T, E]
