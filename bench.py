@@ -20,6 +20,8 @@ vanilla's token for token. The peer is Hugging Face transformers' prompt lookup 
 Lookahead drafter serves the whole run, so its trie warms up from prompt to prompt as it would in a
 server (and in `decode.py --prompt-file`). With --temperature > 0 every method samples (exactly, so
 outputs differ from vanilla's only by chance), each prompt with the same seed for every method.
+`--methods vanilla-again ...` times vanilla a second time among the methods: its row's distance
+from 1.00x is the noise of this run, the yardstick for a method's few percent either way.
 
 `speculative` runs the draft-model method on the same prompts for each --gammas value and prints
 the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
@@ -106,6 +108,10 @@ VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: 
     "ppd-static": ("ppd", {"static_tree": True}), "auto": ("auto", {}),
 }
 VARIANTS |= {f"{name}-fixed": (method, options | {"fixed_size": True}) for name, (method, options) in VARIANTS.items()}
+# vanilla timed a second time, interleaved with the first: what its "speedup" differs from 1.00x is this
+# run's noise (an A/A control), the yardstick for any other method's few percent
+VANILLA_AGAIN = "vanilla-again"
+VARIANTS[VANILLA_AGAIN] = ("vanilla", {})
 
 
 # ---- methods x categories ------------------------------------------------------------------------
@@ -273,6 +279,7 @@ def bench_methods(args, tokenizer, report):
         hindsight = []  # per category: auto's decode speedup, the per-prompt best's
         for category, texts in prompt_sets.items():
             ours = ["vanilla"] + args.methods
+            contenders = [name for name in ours if name != VANILLA_AGAIN]  # for hindsight: noise is no method
             tallies = {name: Tally() for name in ours + [HINDSIGHT] + methods[len(ours):]}
             for number, text in enumerate(texts, 1):
                 prompt_ids = tokenizer.prompt_ids(text, raw=False)
@@ -293,7 +300,7 @@ def bench_methods(args, tokenizer, report):
                     tallies[name].add_run(best_of(prompt_runs))
                 # the oracle `auto` is measured against: had each prompt been decoded by the method
                 # that turned out fastest on it
-                tallies[HINDSIGHT].add_run(min((best_of(runs[name]) for name in ours), key=lambda run: run.decode_seconds))
+                tallies[HINDSIGHT].add_run(min((best_of(runs[name]) for name in contenders), key=lambda run: run.decode_seconds))
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
@@ -809,7 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("methods")
     g.add_argument("--methods", nargs="+", default=["anpd", "lookahead", "auto"], choices=list(VARIANTS),
                    metavar="METHOD", help="methods next to vanilla: " + ", ".join(VARIANTS) + " (NAME-fixed: the "
-                   "paper's whole tree every step, decode.py's --fixed-size; the others cost-aware)")
+                   f"paper's whole tree every step, decode.py's --fixed-size; the others cost-aware; {VANILLA_AGAIN}: "
+                   "vanilla timed again, interleaved, whose speedup is this run's noise)")
     g.add_argument("--runs", type=integer(1, 100), default=2, metavar="N",
                    help="runs of every prompt per method, interleaved; the fastest counts (end to end and "
                         "decode phase)")

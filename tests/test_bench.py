@@ -3,6 +3,7 @@ and llama.cpp as a peer, here a stand-in program that prints llama-lookup's timi
 is built by hand, README "Speed"), so that its parsing and its speedup over its own vanilla are checked."""
 
 import ast
+import itertools
 import json
 import stat
 from pathlib import Path
@@ -72,6 +73,28 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
     assert rows["llama.cpp lookup"]["decode_speedup"] == pytest.approx(2.5)
     assert rows["llama.cpp lookup"]["tau"] == pytest.approx(11 / 5)
     assert rows["llama.cpp lookup"]["same_as_vanilla"] == "0/1"  # it printed "ANSWER", not vanilla's text
+
+
+def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(tmp_path, monkeypatch, default_model):
+    monkeypatch.setattr(bench_data, "prompts", lambda category, count, held_out=False: ["Say hi."])
+    timed_run, calls = bench.timed_run, itertools.count()
+
+    def second_vanilla_twice_as_fast(*args, **kwargs):  # each run: vanilla, then vanilla-again
+        run = timed_run(*args, **kwargs)
+        if next(calls) % 2:
+            run.seconds, run.decode_seconds = run.seconds / 2, run.decode_seconds / 2
+        return run
+    monkeypatch.setattr(bench, "timed_run", second_vanilla_twice_as_fast)
+    out = tmp_path / "r.json"
+    bench.main(["--methods", bench.VANILLA_AGAIN, "--categories", "chat", "--new-tokens", "6", "--runs", "2",
+                "--skip-transformers", "--out", str(out)])
+    table = json.loads(out.read_text())["tables"][0]
+    rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert list(rows) == ["vanilla", bench.VANILLA_AGAIN, bench.HINDSIGHT]
+    assert rows[bench.VANILLA_AGAIN]["same_as_vanilla"] == "1/1"
+    assert rows[bench.VANILLA_AGAIN]["tau"] == rows["vanilla"]["tau"]
+    assert rows[bench.VANILLA_AGAIN]["decode_speedup"] > 1.5
+    assert rows[bench.HINDSIGHT]["decode_speedup"] == 1.0  # its luck is not a method's
 
 
 def test_a_folder_without_llama_cpp_is_one_error(tmp_path):
