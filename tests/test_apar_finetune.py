@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+import apar_finetune
 from apar import ControlTokens
 from apar import apply_adapter
 from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
@@ -28,6 +29,19 @@ LIST_ANSWER = """Here are some tips:
 
 Good luck!"""
 
+
+
+def test_held_out_lists_are_those_no_adapter_trained_on(monkeypatch):
+    """Adapters trained on 4 prompts and on 6 (the first 4 and two more) are compared on list-style
+    prompts that one of them held out and neither trained on."""
+    prompt_sets = {4: ["List a", "List b", "List c", "prose d"], 6: ["List a", "List b", "List c", "prose d", "List e", "List f"]}
+    kept_out = {4: ["List a", "prose d"], 6: ["List b", "List e"]}
+    monkeypatch.setattr(apar_finetune, "apar_prompts", lambda records, tokenizer, max_prompt_tokens: prompt_sets[records])
+    monkeypatch.setattr(apar_finetune, "held_out_prompts", lambda tokenizer, prompts: kept_out[len(prompts)])
+    assert apar_finetune.held_out_list_prompts(None, [(4, 64)]) == ["List a"]  # "prose d" asks for no list
+    assert apar_finetune.held_out_list_prompts(None, [(6, 64)]) == ["List b", "List e"]
+    # "List a" trained the second, "List b" the first
+    assert apar_finetune.held_out_list_prompts(None, [(4, 64), (6, 64)]) == ["List e"]
 
 
 def test_an_ordered_list_becomes_roots_and_details():

@@ -149,8 +149,8 @@ def held_out(monkeypatch, tmp_path):
 def test_apar_categories_add_held_out_lists_and_those_naming_a_count(held_out):
     asked = []
 
-    def held_out_list_prompts(tokenizer, records, max_prompt_tokens):
-        asked.append((records, max_prompt_tokens))
+    def held_out_list_prompts(tokenizer, settings):
+        asked.extend(settings)
         return ["List tips for sleep.", "Give me 3 tips for sleep.", "Ideas for a party?", "Name five ways to relax."]
 
     held_out.setattr(bench, "held_out_list_prompts", held_out_list_prompts)
@@ -174,16 +174,22 @@ def test_held_out_lists_without_sharegpt_is_one_error_saying_how_to_skip_them(he
         bench.apar_categories(args, tokenizer=None)
 
 
-def test_adapters_trained_on_other_prompts_have_no_common_held_out_lists(held_out, tmp_path):
-    held_out.setattr(bench, "held_out_list_prompts", lambda *settings: ["Give me 3 tips for sleep."])
+def test_adapters_are_compared_on_the_lists_none_of_them_trained_on(held_out, tmp_path):
+    asked = []
+
+    def held_out_list_prompts(tokenizer, settings):
+        asked.append(settings)
+        return ["Give me 3 tips for sleep."] if len(settings) == 1 else []
+    held_out.setattr(bench, "held_out_list_prompts", held_out_list_prompts)
     for name, settings in [("a", {"records": 30, "max_prompt_tokens": 64}), ("b", {"records": 20, "max_prompt_tokens": 64}),
                            ("c", {"records": 30, "max_prompt_tokens": 64}), ("d", {})]:
         (tmp_path / f"{name}.json").write_text(json.dumps({"training": {"settings": settings}}))
     argv = ["apar", "--mt-categories", "writing", "--held-out-lists", "1", "--adapters"]
     same = bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "a"), str(tmp_path / "c")]), None)
-    assert same["held-out lists"] == ["Give me 3 tips for sleep."]
-    with pytest.raises(UserError, match="different prompt sets"):
+    assert same["held-out lists"] == ["Give me 3 tips for sleep."] and asked[-1] == [(30, 64)]
+    with pytest.raises(UserError, match="every list-style prompt held out of one adapter trained another"):
         bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "a"), str(tmp_path / "b")]), None)
+    assert asked[-1] == [(20, 64), (30, 64)]
     with pytest.raises(UserError, match="does not say which prompts trained it"):
         bench.apar_categories(bench.build_parser().parse_args(argv + [str(tmp_path / "d")]), None)
 
