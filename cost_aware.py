@@ -220,14 +220,15 @@ class Costs:
                 for key, _ in done.tree.evidence[node]:
                     self.estimates.record(key, outcome == "accepted")
 
-    def draft_length(self, step_cost: float, most: int) -> int:
+    def draft_length(self, step_cost: float, most: int, prior: float = 0.5) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
-        (best_draft_length), from its acceptance rate so far (all its guesses pooled; prior 1/2,
-        worth PRIOR_WEIGHT guesses); one on a probe."""
+        (best_draft_length), from its acceptance rate so far (all its guesses pooled; `prior`, the
+        draft's rate before any verdict, worth PRIOR_WEIGHT guesses); one on a probe."""
         if not self.latency.measured_enough(1):
             return 0
         accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
-        alpha = (accepted + AcceptanceEstimates.PRIOR_WEIGHT / 2) / (judged + AcceptanceEstimates.PRIOR_WEIGHT)
+        weight = AcceptanceEstimates.PRIOR_WEIGHT
+        alpha = (accepted + prior * weight) / (judged + weight)
         gamma = best_draft_length(alpha, step_cost, self.latency, most)
         self.idle = self.idle + 1 if gamma == 0 else 0
         return 1 if self.idle > self.probe_after else gamma  # (cut() resets the count when the guess is sent)

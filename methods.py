@@ -116,13 +116,16 @@ def lookahead_drafter(build: Build) -> TrieDrafter:
 
 def draft_model_drafter(build: Build) -> DraftModelDrafter:
     """--method speculative's drafter; a draft step's cost over the model's is estimated by the
-    multiply-adds per token of their layers and LM heads (embedding lookups are free)."""
+    multiply-adds per token of their layers and LM heads (embedding lookups are free). Before its
+    verdicts, cost-aware drafting expects the self-draft (an untrained early exit) to be right as
+    rarely as it was on held-out prompts, and a --draft-model half the time."""
     draft = load_draft(build.options, build.model, build.tokenizer)
 
     def multiply_adds(m):
         return sum(p.numel() for p in m.layers.parameters()) + m.lm_head.weight.numel()
+    prior = DraftModelDrafter.SELF_DRAFT_ALPHA if build.options.draft_model is None else 0.5
     return DraftModelDrafter(draft, build.options.gamma, step_cost=multiply_adds(draft) / multiply_adds(build.model),
-                             costs=build.costs)
+                             costs=build.costs, prior_alpha=prior)
 
 
 def recycling_drafter(build: Build) -> RecyclingDrafter:

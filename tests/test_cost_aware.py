@@ -16,6 +16,7 @@ from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, Tr
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
 from latency import Latency
 from medusa import MedusaDrafter, MedusaHeads
+from methods import METHODS, build_drafter, default_options
 from tree import Tree
 from verify import verify_greedy
 
@@ -108,6 +109,25 @@ def test_the_draft_length_follows_leviathans_optimum():
     assert best_draft_length(0.8, 0.05, flat, 64) == 8
     assert best_draft_length(0.8, 0.2, flat, 64) < 8
     assert best_draft_length(0.5, 0.6, flat, 64) == 0
+
+
+def test_a_draft_known_to_miss_drafts_nothing_before_its_first_probe():
+    """The draft's prior acceptance decides its first passes: at 1/2 (an unknown draft) it drafts
+    from the start, at a self-draft's measured few percent it waits for its probe, and each probe
+    drafts one guess (this CPU's L(n): a second input costs a fifth of a pass)."""
+    cpu = Latency({1: 1.0, 2: 1.2, 8: 1.6})
+    assert Costs(cpu).draft_length(0.2, 4) > 0
+    unknown, known = Costs(cpu), Costs(cpu)
+    assert unknown.draft_length(0.2, 4, prior=0.5) > 0
+    lengths = [known.draft_length(0.2, 4, prior=0.03) for _ in range(Costs.PROBE_EVERY + 1)]
+    assert lengths == [0] * Costs.PROBE_EVERY + [1]
+
+
+def test_the_self_draft_starts_from_its_measured_acceptance(default_model, default_tokenizer):
+    options = default_options(draft_layers=4)
+    built = build_drafter(METHODS["speculative"], options, default_model, default_tokenizer, latency=Latency.flat())
+    assert built.drafter.prior_alpha == DraftModelDrafter.SELF_DRAFT_ALPHA < 0.1
+    assert DraftModelDrafter(default_model.first_layers(1)).prior_alpha == 0.5
 
 
 def test_a_child_as_likely_as_its_parent_comes_after_it():
