@@ -220,7 +220,7 @@ class Costs:
                 for key, _ in done.tree.evidence[node]:
                     self.estimates.record(key, outcome == "accepted")
 
-    def draft_length(self, step_cost: float, most: int, prior: float = 0.5) -> int:
+    def draft_length(self, step_cost: float, most: int, prior: float) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
         (best_draft_length), from its acceptance rate so far (all its guesses pooled; `prior`, the
         draft's rate before any verdict, worth PRIOR_WEIGHT guesses); one on a probe."""

@@ -239,8 +239,10 @@ class DraftModelDrafter(Drafter):
     # before the verdicts taught it better (8 held-out chat and translation prompts, one run: 0.95x
     # of vanilla's speed, 0.97x with this; docs/results.md)
     SELF_DRAFT_ALPHA = 0.045
+    UNKNOWN_DRAFT_ALPHA = 0.5  # any other draft's, until its verdicts say more
 
-    def __init__(self, model, gamma: int = DEFAULT_GAMMA, step_cost: float = 0.0, costs=None, prior_alpha: float = 0.5):
+    def __init__(self, model, gamma: int = DEFAULT_GAMMA, step_cost: float = 0.0, costs=None,
+                 prior_alpha: float = UNKNOWN_DRAFT_ALPHA):
         if not 1 <= gamma <= self.MAX_GAMMA:
             raise UserError(f"gamma (draft tokens per step) must be in 1..{self.MAX_GAMMA}, got {gamma}")
         self.model, self.gamma = model, gamma

@@ -123,7 +123,8 @@ def draft_model_drafter(build: Build) -> DraftModelDrafter:
 
     def multiply_adds(m):
         return sum(p.numel() for p in m.layers.parameters()) + m.lm_head.weight.numel()
-    prior = DraftModelDrafter.SELF_DRAFT_ALPHA if build.options.draft_model is None else 0.5
+    prior = (DraftModelDrafter.SELF_DRAFT_ALPHA if build.options.draft_model is None
+             else DraftModelDrafter.UNKNOWN_DRAFT_ALPHA)
     return DraftModelDrafter(draft, build.options.gamma, step_cost=multiply_adds(draft) / multiply_adds(build.model),
                              costs=build.costs, prior_alpha=prior)
 

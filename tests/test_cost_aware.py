@@ -117,7 +117,7 @@ def test_a_draft_known_to_miss_drafts_nothing_before_its_first_probe():
     drafts one guess (this CPU's L(n): a second input costs a fifth of a pass)."""
     cpu = Latency({1: 1.0, 2: 1.2, 8: 1.6})
     unknown, known = Costs(cpu), Costs(cpu)
-    assert unknown.draft_length(0.2, 4) > 0  # (1/2: the default)
+    assert unknown.draft_length(0.2, 4, prior=0.5) > 0
     lengths = [known.draft_length(0.2, 4, prior=0.03) for _ in range(Costs.PROBE_EVERY + 1)]
     assert lengths == [0] * Costs.PROBE_EVERY + [1]
 

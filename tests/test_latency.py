@@ -143,7 +143,7 @@ def test_the_loop_shows_every_decoding_pass_its_time():
 
 def test_cost_aware_drafting_first_measures_what_sending_nothing_costs():
     costs = Costs(OnlineLatency(Latency.flat()))
-    assert not costs.latency.measured_enough(1) and costs.draft_length(0.1, 4) == 0
+    assert not costs.latency.measured_enough(1) and costs.draft_length(0.1, 4, prior=0.5) == 0
     assert costs.cut(Tree.chain(0, [1, 2], evidence=[((("a",), 0.9),)] * 2)).draft_size == 0
 
 
