@@ -253,27 +253,34 @@ class AparEngine:
     model: torch.nn.Module
     control: ControlTokens
     guesser: Callable[[], Drafter] | None = None
+    fork_bias: float = 0.0  # (see verifier; --fork-bias gives FORK_BIAS)
 
     def generate(self, prompt_ids: list[int], **options) -> "AparGeneration":
-        return generate_apar(self.model, prompt_ids, self.control, guesser=self.guesser, **options)
+        return generate_apar(self.model, prompt_ids, self.control, guesser=self.guesser, fork_bias=self.fork_bias,
+                             **options)
 
 
 # Guessed tokens fed in one pass over all threads, which share it (measured: docs/constants.md).
 MAX_GUESSES_PER_PASS = 32
+# --fork-bias's default: nats added to [Fork]'s logit where a thread may fork (verifier). Measured for the
+# shipped adapter on held-out list prompts: more forks, at a perplexity past vanilla's 1.25x (docs/constants.md).
+FORK_BIAS = 0.0
+MAX_FORK_BIAS = 10.0
 
 
 def generate_apar(model, prompt_ids: list[int], control: ControlTokens, *, max_new_tokens: int,
                   eos_ids: set[int], sampling: Sampling = Sampling(), generator=None,
                   guesser: Callable[[], Drafter] | None = None, max_guesses: int = MAX_GUESSES_PER_PASS,
-                  watch=None) -> AparGeneration:
+                  fork_bias: float = 0.0, watch=None) -> AparGeneration:
     """Decode one prompt with APAR. `guesser()` (optional) makes each new thread's drafter; a pass
     feeds at most `max_guesses` guesses over all threads (each live thread gets an even share of them,
     cut from its tree). Each thread's tree is verified on its own (`verifier`). At most
     `max_new_tokens` tokens are chosen over all threads. `watch(ThreadPass)` is told every verdict
-    taken (visualize.py threads draws them)."""
+    taken (visualize.py threads draws them). `fork_bias` is added to [Fork]'s logit where a thread may
+    fork (see verifier)."""
     context = model.config.max_positions
     budget = room_for_new_tokens(model, prompt_ids, max_new_tokens)
-    judge = verifier(control, sampling, generator)
+    judge = verifier(control, sampling, generator, fork_bias)
 
     def started(thread: Thread) -> Thread:  # a new thread's drafter learns the thread's own sequence
         if guesser is not None:
@@ -408,18 +415,28 @@ def finish_if_done(thread: Thread, eos_ids: set[int], cache: SlotCache, group: l
     cache.release([slot for slot in thread.slots if slot not in still_needed])
 
 
-def verifier(control: ControlTokens, sampling: Sampling, generator):
+def verifier(control: ControlTokens, sampling: Sampling, generator, fork_bias: float = 0.0):
     """Each thread's tree is verified on its own (verify.py: greedy, or exact speculative sampling),
     over every token but [Child]: only the engine writes [Child] (its embedding is trained as an
     input, and tied to the LM head, so the model might otherwise pick it). A child thread may not
     write [Fork] either: the paragraph trees it was trained on are one level deep (appendix B's rules
     make each detail a leaf), and a small adapter that forks inside a detail cuts it into fragments
-    (this project's rule; Algorithm 1 lets any thread fork)."""
+    (this project's rule; Algorithm 1 lets any thread fork).
+
+    Where a thread may fork, `fork_bias` (in nats) is added to [Fork]'s logit: greedy then forks
+    wherever [Fork] is within `fork_bias` of the likeliest token, and sampling multiplies its odds by
+    exp(fork_bias / temperature). The paper sets how readily the model forks in training only (its
+    unstructured negative examples, section 3.1); a small adapter learns where points start but
+    sometimes ranks [Fork] just below the point's next word, and this is the decoding-time knob for
+    that (this project's rule; FORK_BIAS is the measured default). Guesses are verified against
+    the same biased logits, so a guesser changes no thread's text."""
     def judge(tree: Tree, logits: torch.Tensor, thread: Thread) -> Verdict:
         logits = logits.clone()
         logits[:, control.child] = float("-inf")
         if thread.writes_detail:
             logits[:, control.fork] = float("-inf")
+        else:
+            logits[:, control.fork] += fork_bias
         return verify(tree, logits, sampling, generator)
     return judge
 

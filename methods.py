@@ -23,7 +23,7 @@ import torch
 
 import medusa
 import ppd
-from apar import MAX_GUESSES_PER_PASS, load_apar_model
+from apar import FORK_BIAS, MAX_FORK_BIAS, MAX_GUESSES_PER_PASS, load_apar_model
 from artifacts import shipped_artifact
 from calibrate import calibrated_rows, machine_latency
 from combined import combined_drafter
@@ -33,7 +33,7 @@ from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
-from errors import UserError, integer
+from errors import UserError, integer, number
 from model import DTYPES, load_checkpoint, parse_device
 from tokenizer import Tokenizer, check_fits
 
@@ -174,7 +174,7 @@ def apar_engine(options, model, tokenizer):
     """--method apar: the model with the adapter merged and, with --apar-guesses, a drafter per thread
     (apar.py: APAR + a guesser)."""
     engine = load_apar_model(model, tokenizer, trained_path("apar", options))
-    engine.guesser = apar_guesser(options)
+    engine.guesser, engine.fork_bias = apar_guesser(options), options.fork_bias
     return engine
 
 
@@ -203,7 +203,7 @@ METHODS = {m.name: m for m in [
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
-           ("trained", "apar_guesses", "ngram_n", "ngram_k", "decoding_length", "branch_length"),
+           ("trained", "fork_bias", "apar_guesses", "ngram_n", "ngram_k", "decoding_length", "branch_length"),
            trained=True, guesses=False, engine=apar_engine),
     Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
            "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
@@ -251,6 +251,12 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
              f"{NGramDrafter.DEFAULT_K} here, never calibrated) or --decoding-length (default "
              f"{TrieDrafter.DEFAULT_DECODING_LENGTH})/--branch-length; a pass feeds at most {MAX_GUESSES_PER_PASS} "
              "guesses over all threads")),
+    "fork_bias": ("--fork-bias", dict(
+        type=number(-MAX_FORK_BIAS, MAX_FORK_BIAS), default=FORK_BIAS, metavar="NATS",
+        help=f"added to [Fork]'s logit where a thread may fork, -{MAX_FORK_BIAS:g}..{MAX_FORK_BIAS:g}: greedy forks "
+             "wherever [Fork] is within NATS of the likeliest token (0: the adapter as trained; with the shipped "
+             "one, 1 forked on 62%% of held-out list prompts instead of 54%%, at 1.32x vanilla's perplexity "
+             "instead of 1.22x)")),
     "trained": ("--trained", dict(
         type=Path, metavar="PATH",
         help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "

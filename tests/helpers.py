@@ -270,7 +270,7 @@ def assert_decodes_as_naive_greedy(generate_function, model, prompt, max_new_tok
 def scripted_apar(choose, *args, **options):
     """generate_apar with each thread's verifier replaced by `choose(logits [V], thread) -> token`
     (threads that guess nothing), to script forks and ends."""
-    def verifier(control, sampling, generator):
+    def verifier(control, sampling, generator, fork_bias):
         def judge(tree, logits, thread):
             assert tree.draft_size == 0, "scripted threads guess nothing"
             return Verdict.of(tree, [0], choose(logits[0], thread))

