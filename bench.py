@@ -76,8 +76,8 @@ import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch l
 import torch
 
 import apar
-from apar import FORK_BIAS, MAX_FORK_BIAS
 import bench_data
+from apar import FORK_BIAS, MAX_FORK_BIAS
 from apar_finetune import held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact
