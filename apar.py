@@ -253,7 +253,7 @@ class AparEngine:
     model: torch.nn.Module
     control: ControlTokens
     guesser: Callable[[], Drafter] | None = None
-    fork_bias: float = 0.0  # (see verifier; --fork-bias gives FORK_BIAS)
+    fork_bias: float = 0.0  # nats added to [Fork]'s logit where a thread may fork (verifier; --fork-bias)
 
     def generate(self, prompt_ids: list[int], **options) -> "AparGeneration":
         return generate_apar(self.model, prompt_ids, self.control, guesser=self.guesser, fork_bias=self.fork_bias,
