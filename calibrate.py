@@ -45,7 +45,12 @@ LATENCY_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # where L(n) is measured onc
 CACHED = 256  # tokens in the cache while L(n) is measured
 ROUNDS, PASSES_PER_ROUND = 3, 5
 LOW_QUANTILE = 0.2  # of a size's passes: load only adds time, so the low end is the machine's own
-ROUNDS_AGREE = 1.25  # the most that two rounds' medians of a size may differ, for a table to be saved
+# A first measurement is saved unless the machine was busy: other programs (or the hypervisor) took more
+# than OTHERS_BUSY of its CPU time while it ran (measured: docs/constants.md); where that cannot be read
+# (no /proc/stat) or the passes run on a GPU, unless two rounds' medians of a size differ by more than
+# ROUNDS_AGREE (bursts on an idle VM alone move them 1.1-1.7x).
+OTHERS_BUSY = 0.10
+ROUNDS_AGREE = 1.25
 FAR_OFF = 1.5  # a saved entry this far (either way) from a size this run measured well is replaced
 PROMPTS = [  # for measuring ANPD's and Lookahead's tau(n): chat, code, summary, arithmetic
     "What are three good habits for staying healthy while working from home?",
@@ -137,6 +142,37 @@ def rounds_disagreement(passes: dict[int, list[list[float]]]) -> float:
     return max(max(map(statistics.median, runs)) / min(map(statistics.median, runs)) for runs in passes.values())
 
 
+def cpu_ticks() -> tuple[float, float, float] | None:
+    """(CPU time of all the machine's CPUs, the part of it not idle, this process's own), in clock ticks
+    since boot; None where the machine's is not readable (/proc/stat: Linux only)."""
+    try:
+        with open("/proc/stat") as stat:  # cpu  user nice system idle iowait irq softirq steal ...
+            fields = [int(field) for field in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    return sum(fields), sum(fields) - fields[3] - fields[4], (own.user + own.system) * os.sysconf("SC_CLK_TCK")
+
+
+def share_of_others(before, after) -> float | None:
+    """The share of the machine's CPU time that went to other programs (and the hypervisor's steal)
+    between two cpu_ticks() readings; None if either is None."""
+    if before is None or after is None:
+        return None
+    total, busy, own = (a - b for a, b in zip(after, before))
+    return max(0.0, busy - own) / total if total > 0 else 0.0
+
+
+def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_type: str) -> str | None:
+    """Why a first measurement of L(n) must not be saved (None: it may): others' share of the CPUs
+    while it ran; on a GPU, or where that share is unknown, rounds that disagree."""
+    if others is not None and others > OTHERS_BUSY:
+        return f"other programs took {others:.0%} of the CPUs while it measured"
+    if (others is None or device_type != "cpu") and rounds_disagreement(passes) > ROUNDS_AGREE:
+        return f"rounds differ by up to {rounds_disagreement(passes):.2f}x"
+    return None
+
+
 # ---- this machine's table ---------------------------------------------------------------------------
 
 def machine_key(model) -> str:
@@ -203,7 +239,7 @@ def table_seconds(table: dict[int, dict]) -> dict[int, float]:
 
 def saved_or_measured(model, key: str) -> Latency:
     """The saved table for `key`; else L(n) measured now (progress on stderr), saved unless the
-    rounds disagree. Concurrent first runs take turns: the others find the first one's table. A cache
+    machine was busy (why_busy). Concurrent first runs take turns: the others find the first one's table. A cache
     this run may not write (read-only, full) leaves the measurement this run's own."""
     path = latency_file()
     try:
@@ -222,12 +258,13 @@ def read_or_measure(model, key: str, save: bool) -> Latency:
         return Latency(table_seconds(table))
     print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
           "(some seconds)", file=sys.stderr)
+    before = cpu_ticks()
     passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
     measured = low_quantiles(passes)
-    disagreement = rounds_disagreement(passes)
-    if disagreement > ROUNDS_AGREE:
-        print(f"cost-aware drafting: the machine was busy (rounds differ by up to {disagreement:.2f}x), so "
-              "this L(n) is not saved; this run corrects it from its own passes", file=sys.stderr)
+    busy = why_busy(passes, share_of_others(before, cpu_ticks()), model.device.type)
+    if busy:
+        print(f"cost-aware drafting: the machine was busy ({busy}), so this L(n) is not saved; this run "
+              "corrects it from its own passes", file=sys.stderr)
     elif save:
         saved = read_saved(path)
         saved[key] = {n: {"ms": round(seconds * 1000, 3), "passes": ROUNDS * PASSES_PER_ROUND}

@@ -8,9 +8,10 @@ So it is known three ways, each correcting the one before:
 1. **Measured once** per machine, device, dtype and model, by the first run that needs it
    (calibrate.machine_latency): a pass of the loop at each of a few sizes, the sizes interleaved
    pass by pass so that a burst of load hits every size alike, in three rounds; each size's L is a
-   low quantile of its passes (load only ever adds time). When the rounds disagree, the machine was
-   busy: nothing is saved, and the run relies on step 2. Concurrent first runs take turns (a lock):
-   one measures, the others wait and read its table.
+   low quantile of its passes (load only ever adds time). When other programs took a share of the
+   CPUs while it measured (/proc/stat; on a GPU, or where that is not readable: when the rounds
+   disagree), the machine was busy: nothing is saved, and the run relies on step 2. Concurrent first
+   runs take turns (a lock): one measures, the others wait and read its table.
 2. **Corrected online** by every run (`OnlineLatency`): the loop times every pass (`Pass.seconds`),
    and the estimate at a size the run has sent is the median of those passes. Sizes not sent are the
    saved table scaled by the ratio measured / saved at the nearest sizes that were, so a table off by
