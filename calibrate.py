@@ -168,8 +168,10 @@ def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_
     while it ran; on a GPU, or where that share is unknown, rounds that disagree."""
     if others is not None and others > OTHERS_BUSY:
         return f"other programs took {others:.0%} of the CPUs while it measured"
-    if (others is None or device_type != "cpu") and rounds_disagreement(passes) > ROUNDS_AGREE:
-        return f"rounds differ by up to {rounds_disagreement(passes):.2f}x"
+    if others is None or device_type != "cpu":
+        disagreement = rounds_disagreement(passes)
+        if disagreement > ROUNDS_AGREE:
+            return f"rounds differ by up to {disagreement:.2f}x"
     return None
 
 
