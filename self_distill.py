@@ -12,9 +12,10 @@ Prompts that share a 13-word sequence with any benchmark prompt (bench_data.py: 
 XSum, ASDiv) are dropped, the decontamination rule of Brown et al. 2020 (GPT-3, appendix C), so the
 benchmark's test prompts stay out of training.
 
-Answers are generated many prompts at a time (left-padded batches; each row has its own positions
-and mask, so a row's tokens equal the one-prompt greedy answer, see tests/test_self_distill.py) and
-appended to a JSONL file in the cache as they finish, so an interrupted run resumes where it stopped.
+Answers are generated many prompts at a time with continuous batching (answer_stream: a row whose
+answer ends takes the next prompt at once; each row has its own positions and mask, so its tokens
+equal the one-prompt answer, see tests/test_self_distill.py) and appended to a JSONL file in the cache
+in a fixed order, so an interrupted run resumes where it stopped.
 """
 
 import itertools
@@ -146,75 +147,134 @@ def training_prompts(count: int, tokenizer, max_prompt_tokens: int, wanted=lambd
     return chosen
 
 
-@torch.inference_mode()
-def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                 sampling: Sampling = Sampling(), generator=None) -> list[list[int]]:
-    """Answers to several prompts in one batch, greedy or sampled. Prompts are left-padded to a
-    common length; a row's positions count from its own first token and its mask hides the padding,
-    so each row computes what it would alone. Returns each answer up to and including its
-    end-of-sequence token."""
-    B, longest = len(prompts), max(map(len, prompts))
-    pads = torch.tensor([longest - len(p) for p in prompts], device=model.device)
-    tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
-    cache = KVCache.for_model(model, capacity=longest + max_new_tokens, batch=B)
-    slot_is_real = torch.arange(longest + max_new_tokens, device=model.device)[None] >= pads[:, None]  # [B, S]
+STOP_CHECK_EVERY = 16  # tokens between two asks of `stop` (a test on the text costs about a millisecond)
 
-    def choose(logits):  # [B, V] -> [B]
+
+@torch.inference_mode()
+def answer_stream(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], *, rows: int = 16,
+                  sampling: Sampling = Sampling(), seed: int = 0, stop=None):
+    """Answers to many prompts, `rows` at a time, with continuous batching (Yu et al. 2022, Orca,
+    section 3.1 "iteration-level scheduling"): a row whose answer ends takes the next prompt at once,
+    instead of idling until the longest answer of its batch ends. Yields (the prompt's index, its
+    answer up to and including its end-of-sequence token) as each answer ends, so not in order.
+
+    An answer ends at EOS, at max_new_tokens, or when `stop(answer_ids)` says so (asked every
+    STOP_CHECK_EVERY tokens; APAR stops an answer once it loops, since nothing after that is trained
+    on). Sampled, prompt i draws from its own generator seeded with seed + i, so what it draws does
+    not depend on which prompts share its rows, or on where a resumed run began.
+
+    The cache: every row writes its K/V to the same slot at each step, and a row's sequence is the
+    slots from its own `start` on (its mask hides the slots before, its positions count from there),
+    so each row computes what it would alone. A new prompt is prefilled apart and its K/V copied into
+    the row's slots just before the current one; when the cache is full, or a quarter of it lies before
+    every row's start, the slots in use are moved down to the front."""
+    device, vocab = model.device, model.config.vocab_size
+    longest = max(map(len, prompts))
+    cache = KVCache.for_model(model, capacity=2 * (longest + max_new_tokens), batch=rows)
+    cache.claim(longest)  # so that any prompt fits in the slots before the current one
+    start = torch.full((rows,), longest, device=device)  # [rows]: each row's first slot
+    answering = [None] * rows  # the index of the prompt each row answers, None while it idles
+    answers = [[] for _ in range(rows)]
+    pending = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]: each row's next input token
+    generators, ended = {}, []
+    queue = list(reversed(range(len(prompts))))  # pop() gives the next prompt
+
+    def choose(logits, indices):  # [R, V], the R rows' prompt indices -> [R] tokens
         if sampling.greedy:
             return logits.argmax(-1)
-        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[:, 0]
+        cdf = target_probs(logits, sampling).cumsum(-1)  # a draw is the first token whose cdf passes u
+        u = torch.stack([torch.rand((), generator=generators[i], device=device) for i in indices])
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
 
-    # prefill: causal over the real tokens; a padding row attends only to itself (it must see something)
-    causal = torch.ones(longest, longest, dtype=torch.bool, device=model.device).tril()
-    mask = (causal & slot_is_real[:, None, :longest]) | torch.eye(longest, dtype=torch.bool, device=model.device)
-    positions = (torch.arange(longest, device=model.device)[None] - pads[:, None]).clamp(min=0)
-    hidden = model.hidden_states(tokens, positions=positions, cache=cache, slots=cache.claim(longest), mask=mask)
-    next_tokens = choose(model.logits(hidden[:, -1]))  # [B]
+    def add(row, token):
+        answer = answers[row]
+        answer.append(token)
+        pending[row] = token
+        if (token in eos_ids or len(answer) == max_new_tokens
+                or stop and len(answer) % STOP_CHECK_EVERY == 0 and stop(answer)):
+            ended.append((answering[row], answer))
+            generators.pop(answering[row], None)
+            answering[row], answers[row] = None, []
 
-    answers, done = [[] for _ in prompts], [False] * B
-    for step in range(max_new_tokens):
-        for row, token in enumerate(next_tokens.tolist()):
-            if not done[row]:
-                answers[row].append(token)
-                done[row] = token in eos_ids
-        if all(done) or step == max_new_tokens - 1:
-            break
+    def admit(joining):  # idle rows take the next prompts: prefilled together, left-padded
+        indices = [queue.pop() for _ in joining]
+        batch = [prompts[i] for i in indices]
+        width = max(map(len, batch))
+        pads = torch.tensor([width - len(p) for p in batch], device=device)
+        tokens = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        real = torch.arange(width, device=device)[None] >= pads[:, None]  # [J, width]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)  # a pad sees itself
+        positions = (torch.arange(width, device=device)[None] - pads[:, None]).clamp(min=0)
+        scratch = KVCache.for_model(model, capacity=width, batch=len(batch))
+        hidden = model.hidden_states(tokens, positions=positions, cache=scratch, slots=scratch.claim(width), mask=mask)
+        now, where = cache.length, torch.tensor(joining, device=device)
+        cache.keys[:, where, :, now - width:now] = scratch.keys
+        cache.values[:, where, :, now - width:now] = scratch.values
+        start[where] = now - width + pads
+        for row, i in zip(joining, indices):
+            answering[row] = i
+            if not sampling.greedy:
+                generators[i] = torch.Generator(device).manual_seed(seed + i)
+        for row, token in zip(joining, choose(model.logits(hidden[:, -1]), indices).tolist()):
+            add(row, token)
+
+    def make_room():  # move the slots in use down to the front when the cache is full or a quarter is dead
+        drop = min(min(int(start[row]) for row in range(rows) if answering[row] is not None),
+                   cache.length - longest)
+        if cache.length < cache.capacity and drop < cache.capacity // 4:
+            return
+        for store in (cache.keys, cache.values):
+            store[:, :, :, :cache.length - drop] = store[:, :, :, drop:cache.length].clone()
+        start.sub_(drop)
+        cache.truncate(cache.length - drop)
+
+    while True:
+        while queue and (idle := [row for row in range(rows) if answering[row] is None]):
+            admit(idle[:len(queue)])
+        yield from ended
+        ended.clear()
+        live = [row for row in range(rows) if answering[row] is not None]
+        if not live:
+            return
+        make_room()
         slot = cache.claim(1)
-        hidden = model.hidden_states(next_tokens[:, None], positions=(slot.start - pads)[:, None], cache=cache,
-                                     slots=slot, mask=slot_is_real[:, None, :slot.stop])
-        next_tokens = choose(model.logits(hidden[:, -1]))
-    return answers
+        start[[row for row in range(rows) if answering[row] is None]] = slot.start  # an idle row sees itself
+        mask = torch.arange(slot.stop, device=device)[None, None, :] >= start[:, None, None]  # [rows, 1, S]
+        hidden = model.hidden_states(pending[:, None], positions=(slot.start - start)[:, None], cache=cache,
+                                     slots=slot, mask=mask)
+        for row, token in zip(live, choose(model.logits(hidden[live, -1]), [answering[r] for r in live]).tolist()):
+            add(row, token)
 
 
 def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, max_new_tokens: int,
-                     batch_size: int = 16, sampling: Sampling = Sampling(), seed: int = 0) -> list[dict]:
+                     batch_size: int = 16, sampling: Sampling = Sampling(), seed: int = 0, stop=None) -> list[dict]:
     """Make (or finish) `out_file`: one JSON line {"prompt_ids", "answer_ids"} per prompt, in
-    answer_order (shortest prompt first), greedy or sampled (batch i drawing from a generator seeded
-    with seed + i, so a resumed run draws what an uninterrupted one would, on the same device with the
-    same batch size). Returns all records."""
+    answer_order (shortest prompt first), greedy or sampled, `batch_size` answers at a time
+    (answer_stream; the k-th answer of the file draws from a generator seeded with seed + k, so a
+    resumed run draws what an uninterrupted one would). Returns all records."""
     count = len(prompts)
     done = read_records(out_file)
     if len(done) >= count:
         return done[:count]
-    done = done[:len(done) // batch_size * batch_size]  # whole batches: a resumed batch draws anew
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text("".join(json.dumps(r) + "\n" for r in done), encoding="utf-8")  # drops a cut line
     prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
-    todo = [prompt_ids[i] for i in answer_order(prompt_ids)]
-    started, made_tokens = time.perf_counter(), 0
+    todo = [prompt_ids[i] for i in answer_order(prompt_ids)][len(done):]
+    started, made_tokens, written, ended_early = time.perf_counter(), 0, 0, {}
     progress = Progress("self-distillation")
     with out_file.open("a", encoding="utf-8") as f:
-        for first in range(len(done), len(todo), batch_size):  # `done` holds whole batches
-            batch = todo[first:first + batch_size]
-            generator = torch.Generator(model.device).manual_seed(seed + first // batch_size)
-            answers = answer_batch(model, batch, max_new_tokens, tokenizer.eos_ids, sampling, generator)
-            for prompt_ids, answer_ids in zip(batch, answers):
-                f.write(json.dumps({"prompt_ids": prompt_ids, "answer_ids": answer_ids}) + "\n")
+        for index, answer in answer_stream(model, todo, max_new_tokens, tokenizer.eos_ids, rows=batch_size,
+                                           sampling=sampling, seed=seed + len(done), stop=stop):
+            ended_early[index] = answer  # the file keeps answer_order: an answer waits for those before it
+            while written in ended_early:
+                f.write(json.dumps({"prompt_ids": todo[written], "answer_ids": ended_early.pop(written)}) + "\n")
+                written += 1
             f.flush()
-            made_tokens += sum(map(len, answers))
-            finished = first + len(batch)
+            made_tokens += len(answer)
+            finished = len(done) + written
             rate = made_tokens / (time.perf_counter() - started)
-            eta = (count - finished) * made_tokens / max(finished - len(done), 1) / rate
+            eta = (count - finished) * made_tokens / max(written + len(ended_early), 1) / rate
             progress.update(f"{finished}/{count} answers, {rate:.0f} tokens/s, ETA {eta / 60:.1f} min")
     progress.done(f"{count} answers")
     return read_records(out_file)[:count]

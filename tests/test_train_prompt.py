@@ -1,5 +1,5 @@
 """train_prompt.py: an interrupted training run resumes to exactly the weights of an uninterrupted
-one, and bad options are refused with one line before any work."""
+one, bad options are refused with one line before any work, and APAR stops an answer once it loops."""
 
 import pytest
 import torch
@@ -83,3 +83,15 @@ def test_each_subcommand_has_its_own_defaults():
     assert (medusa["records"], medusa["epochs"]) == (480, 4)
     assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (3000, 512, 192, 2)
     assert vars(parser.parse_args(["data"]))["records"] == 480
+
+
+def test_apar_stops_an_answer_once_it_loops():
+    """APAR's answers are stopped when the data rules would call them repetitive, not before."""
+    class Letters:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    stop = train_prompt.apar_answer_stop(Letters())
+    points = [ord(c) for c in "".join(f"{n}. point number {n} of the list\n" for n in range(1, 6))]
+    loop = [ord(c) for c in "1. the same line again\n" * 6]
+    assert not stop(points) and stop(points + loop)
