@@ -278,3 +278,30 @@ def test_flatten_then_restore_gives_the_answer_back_byte_for_byte(default_tokeni
                         max_new_tokens=len(example.tree), eos_ids={eos})
     assert gen.stop_reason == "eos" and gen.threads == 1 + len(shape.points)
     assert tok.decode(gen.token_ids) == answer
+
+
+def test_a_bfloat16_step_is_the_float32_step_to_bfloat16_precision():
+    """train_prompt.py --precision bfloat16: the forward pass's products run in bfloat16 (the loss is
+    not float32's to the last bit) while weights and gradients stay float32, and the gradient points
+    where float32's does."""
+    from train_prompt import apar_loss
+    tok = CharTokenizer()
+    model = random_model(tiny_hf_config(vocab=160, tied=True), seed=4).float()
+    model.requires_grad_(False)
+    example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n") + [EOS], tok, CONTROL)
+    adapter = AparAdapter(model, CONTROL, rank=4, seed=0)
+    torch.nn.init.normal_(adapter.up["layers_0_attention_wo"], std=0.1)
+    handles = adapter.attach(model)
+    gradients, losses = {}, {}
+    for precision in ("float32", "bfloat16"):
+        adapter.zero_grad()
+        loss = apar_loss(model, adapter, CONTROL, [example], precision)
+        loss.backward()
+        losses[precision] = loss.item()
+        gradients[precision] = torch.cat([p.grad.flatten() for p in adapter.parameters()])
+        assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in adapter.parameters())
+    for handle in handles:
+        handle.remove()
+    assert losses["bfloat16"] != losses["float32"]
+    assert abs(losses["bfloat16"] - losses["float32"]) < 0.02 * losses["float32"]
+    assert torch.nn.functional.cosine_similarity(gradients["float32"], gradients["bfloat16"], dim=0) > 0.98
