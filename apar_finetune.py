@@ -44,13 +44,19 @@ round of one epoch on 600 prompts, either source, forks on fewer held-out list p
 threads, the model's own read more like the base model.
 
 Cost of a round on a 2-core CPU (measured; docs/results.md has the commands):
-- the model's own answers: about 47 minutes for 600 prompts (greedy 19, sampled 28: every batch runs
-  until its longest answer ends, and 70% of greedy answers loop to the 384-token limit);
+- the model's own answers: about 47 minutes for 600 prompts with static batches (greedy 19, sampled
+  28: every batch ran until its longest answer ended, and 70% of greedy answers loop to the 384-token
+  limit). Now a row takes the next prompt as soon as its answer ends (self_distill.answer_stream) and
+  an answer stops once it loops (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy,
+  211 s before, 160 s with the rows refilled, 124 s stopped at the loop too, the same answers;
   ShareGPT's replies: seconds (they are read, not generated);
 - training: a packed sequence's attention mask is dense, so attention grows with the square of its
   length; 512 tokens per step train 2.9x more tokens per second than 2048 (212 vs 73). Examples are
   160-490 tokens (prompt, threads and control tokens, 10th-90th percentile), so 512 packs one or two.
-  An epoch of 536 examples (186k tokens) takes about 17 minutes.
+  An epoch of 536 examples (186k tokens) takes about 17 minutes in float32. With the products in
+  bfloat16 (`--precision`, where the CPU has AVX512-BF16 or AMX) the same steps run 1.7-2.3x faster,
+  and a round of 1968 examples on ShareGPT's replies ends with float32's held-out loss and [Fork]
+  precision and recall (docs/results.md, "Cheaper rounds").
 - not done: the frozen base pass cannot be computed once and reused while every layer is adapted
   (layer 0's attention changes the first hidden states); adapting only the upper layers would allow
   it, untested here.
