@@ -244,8 +244,8 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
 
 def apar_loss(model, adapter, control, examples, precision: str = "float32") -> torch.Tensor:
     """The cross-entropy of a packed step. In bfloat16 the forward pass's matrix products run in
-    bfloat16 (autocast: the weights, the adapter and the optimizer stay float32): 2.2x the tokens per
-    second of float32 on a 2-core CPU with AVX512-BF16 (apar_finetune.py, "Cost of a round")."""
+    bfloat16 (autocast: the weights, the adapter and the optimizer stay float32): 1.7-2.3x the tokens
+    per second of float32 on a 2-core CPU with AVX512-BF16 (apar_finetune.py, "Cost of a round")."""
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
         logits, labels = apar_logits(model, adapter, control, examples)
     return F.cross_entropy(logits.float(), labels)

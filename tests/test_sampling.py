@@ -2,8 +2,9 @@
 the nucleus found without sorting the whole vocabulary when it need not be."""
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
+from helpers import cheap
 from sampling import Sampling, nucleus, target_probs
 
 
@@ -18,7 +19,7 @@ def test_top_k_and_top_p_shape_the_distribution():
     assert torch.allclose(sharpened, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
 
 
-@settings(deadline=None, max_examples=60)
+@cheap
 @given(seed=st.integers(0, 2**31), rows=st.integers(1, 4), vocab=st.sampled_from([5, 300, 2000]),
        spread=st.sampled_from([0.1, 1.0, 8.0]), top_p=st.floats(0.05, 0.999))
 def test_the_nucleus_is_the_smallest_likeliest_set_reaching_top_p(seed, rows, vocab, spread, top_p):
