@@ -317,7 +317,7 @@ def read_resume_point(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")  # (load_state_dict moves it to the device)
     except Exception as err:  # torch.load raises many kinds on a damaged file; starting over is always safe
         print(f"ignoring the unreadable resume point {path} ({type(err).__name__}); starting over", file=sys.stderr)
         return None
@@ -334,9 +334,10 @@ def this_machine(device: torch.device) -> str:
 
 
 def settings(args) -> dict:
-    """The options that shape training: a resume point made with others is ignored."""
+    """The options that shape training: a resume point made with others is ignored. The device is not
+    one of them: a round started on a GPU may end on a CPU, and the other way round."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss", "runs", "data", "answer_batch", "command_parser")}
+            if k not in ("save_every", "final_loss", "runs", "data", "answer_batch", "command_parser", "device")}
 
 
 # ---- command line -------------------------------------------------------------------------------
