@@ -22,9 +22,10 @@ sys.path.insert(0, str(ROOT))
 import apar  # noqa: E402
 import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
-from medusa import MedusaHeads  # noqa: E402
+from medusa import MedusaDrafter, MedusaHeads  # noqa: E402
 from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
-from drafters import Drafter, Pass  # noqa: E402
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, TrieDrafter  # noqa: E402
+from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree  # noqa: E402
 from tree import Tree, Verdict  # noqa: E402
 from verify import Chance, verify_speculative  # noqa: E402
 
@@ -75,6 +76,28 @@ def tiny_model(seed: int = 0, *, vocab: int = 16, max_positions: int = 64, layer
     """The shared random tiny float64 Llama for `seed`, built once per test session for each set of
     arguments. Tests must not change it; one that needs to builds its own with random_model."""
     return random_model(tiny_hf_config(layers=layers, vocab=vocab, max_position_embeddings=max_positions), seed=seed)
+
+
+EVERY_DRAFTER_ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]]
+
+
+def every_drafter(model) -> dict:
+    """One drafter of every lossless method for a tiny float64 `model` (random Medusa heads and PPD
+    soft tokens, so that their trees are full of guesses), on the model's device."""
+    heads = MedusaHeads(model.config.hidden_size, 3).double()
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    soft = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    accuracy = EVERY_DRAFTER_ACCURACY
+    return {
+        "anpd": NGramDrafter(n=3, k=4),
+        "lookahead": TrieDrafter(decoding_length=6, branch_length=3),
+        "lookahead-parallel": TrieDrafter(decoding_length=6, branch_length=3, hierarchical=False),
+        "speculative": DraftModelDrafter(model.first_layers(1), gamma=3),
+        "medusa": MedusaDrafter(model, heads.to(model.device), accuracy, inputs=8),
+        "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(accuracy, 12, 3, 2), accuracy),
+    }
 
 
 def write_checkpoint(folder: Path, hf_config: dict, seed: int = 0, weights=None) -> Path:

@@ -10,40 +10,21 @@ import torch
 
 from apar import ControlTokens
 from cli import main
-from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_hf_weights, scripted_apar, tiny_artifacts,
-                      tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
+from cuda_graphs import GraphedModel
 from decode import generate
-from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
-from medusa import MedusaDrafter, MedusaHeads
+from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, every_drafter, random_hf_weights,
+                     scripted_apar, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
 from model import LlamaConfig, build_model, load_checkpoint
-from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 VOCAB = 16
 CONFIG = tiny_hf_config(vocab=VOCAB, max_position_embeddings=96)
-ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]]
 
 
 def model_on(device):
     return build_model(LlamaConfig.from_hf(CONFIG), random_hf_weights(CONFIG, seed=1), torch.float64, device)
-
-
-def drafters(model):
-    heads = MedusaHeads(model.config.hidden_size, 3).double()
-    torch.manual_seed(0)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    soft = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    return {
-        "anpd": NGramDrafter(n=3, k=4),
-        "lookahead": TrieDrafter(decoding_length=6, branch_length=3),
-        "lookahead-parallel": TrieDrafter(decoding_length=6, branch_length=3, hierarchical=False),
-        "speculative": DraftModelDrafter(model.first_layers(1), gamma=3),
-        "medusa": MedusaDrafter(model, heads.to(model.device), ACCURACY, rows=8),
-        "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(ACCURACY, 12, 3, 2), ACCURACY),
-    }
 
 
 def test_every_method_gives_vanilla_greedy_tokens_on_the_gpu():
@@ -51,14 +32,14 @@ def test_every_method_gives_vanilla_greedy_tokens_on_the_gpu():
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9]):
         expected = generate(cpu, prompt, max_new_tokens=40, eos_ids=set()).token_ids
         assert generate(gpu, prompt, max_new_tokens=40, eos_ids=set()).token_ids == expected
-        for name, drafter in drafters(gpu).items():
+        for name, drafter in every_drafter(gpu).items():
             gen = generate(gpu, prompt, max_new_tokens=40, eos_ids=set(), drafter=drafter)
             assert gen.token_ids == expected, name
 
 
 def test_every_method_samples_on_the_gpu():
     gpu = model_on("cuda")
-    for name, drafter in drafters(gpu).items():
+    for name, drafter in every_drafter(gpu).items():
         gen = generate(gpu, [3, 1, 4], max_new_tokens=20, eos_ids=set(), drafter=drafter,
                        sampling=Sampling(0.8, top_k=6, top_p=0.95), generator=torch.Generator("cuda").manual_seed(0))
         assert len(gen.token_ids) == 20 and all(0 <= t < VOCAB for t in gen.token_ids), name
@@ -116,3 +97,33 @@ def test_the_default_model_on_the_gpu_gives_vanilla_greedy_tokens(method, defaul
                 assert_equals_vanilla_greedy(model, ids, 48, default_tokenizer.eos_ids, drafter)
     else:
         assert_shipped_guesser_equals_vanilla(model, default_tokenizer, drafter)
+
+
+def test_recorded_passes_give_every_methods_vanilla_tokens_on_the_gpu():
+    """--cuda-graphs on a tiny float64 model: the graphs are recorded and replayed, and every method
+    gives the CPU's vanilla tokens (a prompt longer than the largest bucket is prefilled plainly)."""
+    cpu, graphed = model_on("cpu"), GraphedModel(model_on("cuda"))
+    for prompt in ([3, 1, 4, 1, 5], [(7 * i) % VOCAB for i in range(70)]):
+        expected = generate(cpu, prompt, max_new_tokens=24, eos_ids=set()).token_ids
+        assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set()).token_ids == expected
+        for name, drafter in every_drafter(graphed).items():
+            assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set(), drafter=drafter).token_ids == expected, name
+    assert len(graphed.passes) > 3 and all(step.graph is not None for step in graphed.passes.values())
+
+
+@pytest.mark.parametrize("method", ["vanilla", "anpd", "lookahead", "medusa", "ppd"])
+def test_the_default_model_graphed_gives_vanilla_greedy_tokens(method, default_model_dir, default_tokenizer):
+    """float32 on the GPU, --cuda-graphs: each method's tokens are the plain model's vanilla tokens."""
+    from methods import METHODS, build_drafter, default_options
+
+    model = load_checkpoint(default_model_dir, torch.float32, "cuda")
+    graphed = GraphedModel(model)
+    for prompt in ["Give me three tips for staying focused while studying.", "Explain what a hash table is."]:
+        ids = default_tokenizer.prompt_ids(prompt, raw=False)
+        with torch.inference_mode():
+            vanilla = generate(model, ids, max_new_tokens=64, eos_ids=default_tokenizer.eos_ids)
+            drafter = None if method == "vanilla" else build_drafter(METHODS[method], default_options(), graphed,
+                                                                     default_tokenizer)
+            replayed = generate(graphed, ids, max_new_tokens=64, eos_ids=default_tokenizer.eos_ids, drafter=drafter)
+        assert replayed.token_ids == vanilla.token_ids
+    assert graphed.passes
