@@ -85,6 +85,7 @@ from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import Linear, kernel_times, prepare_kernels
+from cuda_graphs import GraphedModel
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
@@ -270,6 +271,7 @@ def bench_methods(args, tokenizer, report):
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_kernels(model)
+        model = GraphedModel(model) if args.cuda_graphs else model
         greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
@@ -759,6 +761,7 @@ def bench_latency(name, args, tokenizer, report):
     folder = default_model_dir()
     ours = load_checkpoint(folder, dtype, args.device)
     prepare_kernels(ours)
+    ours = GraphedModel(ours) if args.cuda_graphs else ours
     if args.device.type == "cpu":
         bench_kernels(name, ours, args, report)
     theirs = None
@@ -810,6 +813,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where our model and the peers run")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --device cuda: our decoding passes replayed as recorded CUDA graphs (cuda_graphs.py)")
     p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
                    help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
@@ -887,14 +892,14 @@ def machine(device: torch.device) -> dict:
 # the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
 # read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
 READS = {
-    "methods": {"categories", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
+    "methods": {"categories", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
                 "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
     "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
              "new_tokens", "prompts"},
-    "latency": {"device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
+    "latency": {"cuda_graphs", "device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
 }
 
 
@@ -915,9 +920,11 @@ def bench_command(argv) -> None:
     except ValueError as err:
         raise UserError(str(err)) from None
     args.device = parse_device(args.device)
+    if args.cuda_graphs and args.device.type != "cuda":
+        raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run
-    report = Report(args.what, machine(args.device))
+    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs})
     print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
     with torch.inference_mode():

@@ -31,6 +31,7 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
+from cuda_graphs import GraphedModel
 from decode import generate, score_tree
 from errors import TooFewRows
 from kv_cache import KVCache
@@ -179,7 +180,7 @@ def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_
 
 def machine_key(model) -> str:
     if model.device.type == "cuda":
-        where = torch.cuda.get_device_name(model.device)
+        where = torch.cuda.get_device_name(model.device) + (" graphed" if isinstance(model, GraphedModel) else "")
     else:
         where = f"{cpu_name()} x{os.cpu_count()}"
     dtype = str(model.dtype).removeprefix("torch.")

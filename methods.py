@@ -31,6 +31,7 @@ from convert import default_model_dir
 from cost_aware import CostAware, Costs
 from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
+from cuda_graphs import GraphedModel
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
 from errors import UserError, integer, number
@@ -330,6 +331,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --device cuda: replay each decoding pass as a recorded CUDA graph, one launch instead "
+                        "of hundreds (cuda_graphs.py); the same tokens")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
@@ -379,6 +383,13 @@ def load(args, method: Method):
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
     if method.engine is None:  # (apar's weights change first: its engine lays them out after the adapter)
         prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1)
+    if args.cuda_graphs:
+        if device.type != "cuda":
+            raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
+        if method.engine is not None:
+            raise UserError(f"--cuda-graphs records the guess-and-verify loop's passes; --method {method.name} "
+                            "runs its own engine")
+        model = GraphedModel(model)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",

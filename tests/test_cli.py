@@ -181,6 +181,14 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys, tiny_folder):
                                    "--prompt", "hi")[::2], "CUDA")
 
 
+def test_cuda_graphs_off_a_gpu_or_with_apar_is_a_clear_error(capsys, tiny_folder):
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--cuda-graphs", "--prompt", "hi")[::2],
+                          "add --device cuda")
+    if torch.cuda.is_available():
+        assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--cuda-graphs", "--device", "cuda",
+                                       "--method", "apar", "--prompt", "hi")[::2], "its own engine")
+
+
 def test_missing_model_directory(capsys, tmp_path):
     assert_one_line_error(*run_cli(capsys, "--model", str(tmp_path / "nope"), "--prompt", "hi")[::2],
                           "does not exist")
