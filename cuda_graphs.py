@@ -18,7 +18,8 @@ A graph replays fixed shapes at fixed addresses, so each pass is made static:
 - every pass reads and writes one K/V buffer, the one the graphs were recorded with: the graphed
   model adopts the decoding loop's KVCache at its first pass (what it holds is copied in, and its
   keys and values become views of the buffer), so the loop claims, truncates and packs slots as it
-  always does, without knowing.
+  always does, without knowing. The buffer is as large as the largest cache adopted so far, rounded
+  up to a power of two (growing it drops the recorded passes).
 One graph is recorded per (inputs bucket, window) the first time a pass needs it (a few tens of ms).
 
 Passes that do not fit run the plain model: more inputs than the largest bucket (a prompt's
@@ -79,12 +80,9 @@ class GraphedModel:
         """`capacity`: the most slots a cache it adopts may have (default: the model's context, plus
         room for a tree's extra inputs and the padding)."""
         self.model = model
-        c = model.config
-        self.capacity = capacity or c.max_positions + 2 * STEP_BUCKETS[-1]
-        with torch.inference_mode(False):  # ordinary tensors: the loop packs the cache in place, in or out of inference mode
-            self.buffer = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.capacity + STEP_BUCKETS[-1],
-                                  dtype=model.dtype, device=model.device)  # [layers, 1, K, slots, E]
-            self.counting = torch.arange(self.buffer.capacity, device=model.device)  # slot numbers, sliced per pass
+        self.capacity = capacity or model.config.max_positions + 2 * STEP_BUCKETS[-1]
+        self.buffer: KVCache | None = None  # [layers, 1, K, slots, E], grown to the largest cache adopted
+        self.counting: torch.Tensor | None = None  # slot numbers 0, 1, ..., sliced per pass
         self.passes: dict[tuple[int, int], StaticPass] = {}  # (inputs, window) -> its recorded pass
         self.adopted = lambda: None  # a weak reference to the cache whose slots the buffer holds
 
@@ -105,7 +103,7 @@ class GraphedModel:
             embeds = self.model.embed(tokens)
         T = embeds.shape[1]
         bucket = next((b for b in STEP_BUCKETS if b >= T), None)
-        if bucket is None or not isinstance(slots, slice) or slots.stop + bucket - T > self.capacity:
+        if bucket is None or not isinstance(slots, slice):  # (the buffer has room for any bucket's padding)
             return self.model.hidden_states(embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
         window = max(MIN_WINDOW, 1 << (slots.stop + bucket - T - 1).bit_length())
         key = (bucket, min(window, self.buffer.capacity))
@@ -122,13 +120,15 @@ class GraphedModel:
     def adopt(self, cache) -> bool:
         """Make `cache` keep its K/V in the buffer (once per cache: what it holds is copied in); False
         when it cannot (no cache, not a KVCache, a batch, too large)."""
-        if cache is self.adopted():
+        if cache is not None and cache is self.adopted():
             return True
         if not isinstance(cache, KVCache) or cache.keys.shape[1] != 1 or cache.capacity > self.capacity:
             return False
         if self.adopted() is not None:
             raise RuntimeError("a graphed model decodes into one cache at a time: the buffer holds another "
                                "live cache's K/V")
+        if self.buffer is None or cache.capacity + STEP_BUCKETS[-1] > self.buffer.capacity:
+            self.grow(cache.capacity + STEP_BUCKETS[-1])
         held = slice(0, cache.length)
         self.buffer.keys[:, :, :, held] = cache.keys[:, :, :, held]
         self.buffer.values[:, :, :, held] = cache.values[:, :, :, held]
@@ -136,6 +136,19 @@ class GraphedModel:
         cache.values = self.buffer.values[:, :, :, :cache.capacity]
         self.adopted = weakref.ref(cache)
         return True
+
+    def grow(self, slots: int) -> None:
+        """A buffer of at least `slots` (the next power of two, within capacity + the padding's room),
+        so that memory follows the longest cache decoded, not the model's context; the passes recorded
+        with the old buffer are dropped (a graph keeps the addresses it was recorded with)."""
+        c, most = self.model.config, self.capacity + STEP_BUCKETS[-1]
+        size = min(most, max(MIN_WINDOW, 1 << (slots - 1).bit_length()))
+        self.buffer = self.counting = None  # (freed before the larger one is allocated)
+        self.passes.clear()
+        with torch.inference_mode(False):  # ordinary tensors: the loop packs the cache in place, in or out of inference mode
+            self.buffer = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, size, dtype=self.model.dtype,
+                                  device=self.model.device)
+            self.counting = torch.arange(size, device=self.model.device)
 
     def new_pass(self, inputs: int, window: int) -> StaticPass:
         m, device = self.model, self.model.device

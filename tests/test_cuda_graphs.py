@@ -125,3 +125,16 @@ def test_caches_it_cannot_adopt_run_the_plain_model():
             outputs.append(m.hidden_states(tokens, positions=torch.arange(3), cache=cache, slots=cache.claim(3)))
         torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
     assert not graphed.passes
+
+
+def test_the_buffer_grows_with_the_caches_it_adopts():
+    """A short answer, a long one (the buffer grows, the recorded passes are dropped), a short one
+    again: each is the plain model's."""
+    plain = model()
+    graphed = GraphedModel(plain)
+    sizes = []
+    for prompt, new in [([1, 2], 6), ([(3 * i) % VOCAB for i in range(60)], 100), ([4, 5, 6], 20)]:
+        expected = generate(plain, prompt, max_new_tokens=new, eos_ids=set()).token_ids
+        assert generate(graphed, prompt, max_new_tokens=new, eos_ids=set()).token_ids == expected
+        sizes.append(graphed.buffer.capacity)
+    assert sizes[0] < sizes[1] == sizes[2]
