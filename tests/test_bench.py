@@ -97,6 +97,14 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
     assert rows[bench.HINDSIGHT]["decode_speedup"] == 1.0  # its luck is not a method's
 
 
+def test_cuda_graphs_off_a_gpu_and_for_benchmarks_that_do_not_time_passes_are_one_error(capsys, tmp_path):
+    for argv, says in [(["latency", "--cuda-graphs"], "add --device cuda"),
+                       (["acceptance", "--cuda-graphs"], "applies to bench.py methods and latency only")]:
+        assert bench.main([*argv, "--out", str(tmp_path / "r.json")]) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+
+
 def test_a_folder_without_llama_cpp_is_one_error(tmp_path):
     with pytest.raises(UserError, match="no llama-lookup, llama-quantize"):
         bench.LlamaCppPeer(tmp_path, 2)
