@@ -85,7 +85,7 @@ from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import Linear, kernel_times, prepare_kernels
-from cuda_graphs import GraphedModel
+from cuda_graphs import GraphedModel, require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
@@ -920,8 +920,8 @@ def bench_command(argv) -> None:
     except ValueError as err:
         raise UserError(str(err)) from None
     args.device = parse_device(args.device)
-    if args.cuda_graphs and args.device.type != "cuda":
-        raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
+    if args.cuda_graphs:
+        require_gpu(args.device)
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run
     report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs})

@@ -36,11 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
+from errors import UserError
 from kv_cache import KVCache
 from model import causal_mask
 
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # inputs per graphed pass: a tree of guesses up to 64 nodes
 MIN_WINDOW = 256  # slots attention reads at least; windows double from here
+
+
+def require_gpu(device: torch.device) -> None:
+    """--cuda-graphs' one check, made before any work: graphs are recorded on a GPU only."""
+    if device.type != "cuda":
+        raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
 
 
 class WindowCache:
@@ -109,7 +116,7 @@ class GraphedModel:
         window = max(MIN_WINDOW, 1 << (slots.stop + bucket - T - 1).bit_length())
         key = (bucket, min(window, self.buffer.capacity))
         step = self.passes.get(key) or self.new_pass(*key)
-        self.fill(step, embeds, positions.view(-1), slots, mask, T)
+        self.fill(step, embeds, positions.view(-1), slots, mask)
         if step.graph is None and self.model.device.type == "cuda":
             step.graph = self.record(step)  # capturing lays the kernels down without running them
         if step.graph is None:
@@ -162,9 +169,10 @@ class GraphedModel:
         self.passes[inputs, window] = step
         return step
 
-    def fill(self, step: StaticPass, embeds, positions, slots: slice, mask, T: int) -> None:
+    def fill(self, step: StaticPass, embeds, positions, slots: slice, mask) -> None:
         """Copy one pass's T inputs into `step`'s padded ones (a handful of device copies, no sync)."""
         bucket, window = step.mask.shape
+        T = embeds.shape[1]
         start, stop = slots.start, slots.stop
         step.embeds[:, :T] = embeds
         step.positions[:T] = positions

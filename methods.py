@@ -31,7 +31,7 @@ from convert import default_model_dir
 from cost_aware import CostAware, Costs
 from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
-from cuda_graphs import GraphedModel
+from cuda_graphs import GraphedModel, require_gpu
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
 from errors import UserError, integer, number
@@ -378,17 +378,17 @@ def flag(dest: str) -> str:
 def load(args, method: Method):
     """The model and tokenizer the options name, with a progress line on stderr."""
     device = parse_device(args.device)
+    if args.cuda_graphs:  # refused before the model is converted or loaded
+        require_gpu(device)
+        if method.engine is not None:
+            raise UserError(f"--cuda-graphs records the guess-and-verify loop's passes; --method {method.name} "
+                            "runs its own engine")
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
     if method.engine is None:  # (apar's weights change first: its engine lays them out after the adapter)
         prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1)
     if args.cuda_graphs:
-        if device.type != "cuda":
-            raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
-        if method.engine is not None:
-            raise UserError(f"--cuda-graphs records the guess-and-verify loop's passes; --method {method.name} "
-                            "runs its own engine")
         model = GraphedModel(model)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)

@@ -90,7 +90,7 @@ def test_every_method_gives_vanilla_greedy_tokens_through_static_passes(prompt, 
         assert (gen.token_ids, gen.stop_reason) == (expected.token_ids, expected.stop_reason), name
 
 
-def test_passes_of_every_bucket_and_several_windows_are_used():
+def test_passes_of_several_buckets_and_windows_are_used():
     graphed = GraphedModel(model())
     drafters = every_drafter(graphed)
     for prompt in ([1, 2, 3], [(5 * i) % VOCAB for i in range(70)]):
