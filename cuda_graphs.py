@@ -181,8 +181,9 @@ class GraphedModel:
             mask = causal_mask(start, T, embeds.device)
         step.mask.zero_()
         step.mask[:T, :stop] = mask.reshape(T, stop)
-        padding = self.counting[:bucket - T]
-        step.mask[T + padding, stop + padding] = True  # each padding row sees its own slot only
+        if T < bucket:
+            padding = self.counting[:bucket - T]
+            step.mask[T + padding, stop + padding] = True  # each padding row sees its own slot only
 
     def record(self, step: StaticPass) -> "torch.cuda.CUDAGraph":
         """Record `step`'s pass: run it once on a side stream first (kernels chosen, workspaces

@@ -59,12 +59,13 @@ class KVCache:
         Used after tree verification: `start` is where the tree's nodes began and `offsets` are the
         accepted root-to-node path's node indices.
         """
-        offsets = torch.as_tensor(offsets, dtype=torch.long, device=self.keys.device)
-        count = len(offsets)
-        if count and not bool((offsets == torch.arange(count, device=offsets.device)).all()):
-            source = start + offsets
-            if bool((offsets[1:] <= offsets[:-1]).any()) or int(source[-1]) >= self.length:
+        offsets = [int(offset) for offset in offsets]  # checked on the host: no device work, no sync,
+        count = len(offsets)  # when the path is already in place (vanilla, a rejected first guess, a chain)
+        if offsets != list(range(count)):
+            ascending = all(a < b for a, b in zip(offsets, offsets[1:]))
+            if not ascending or offsets[0] < 0 or start + offsets[-1] >= self.length:
                 raise ValueError("keep() needs ascending offsets inside the cache")
+            source = torch.tensor(offsets, device=self.keys.device) + start
             # indexing with a tensor gathers into a fresh tensor first, so overlapping moves are safe
             self.keys[:, :, :, start:start + count] = self.keys[:, :, :, source]
             self.values[:, :, :, start:start + count] = self.values[:, :, :, source]

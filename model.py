@@ -205,7 +205,7 @@ def apply_rotary(x, cos, sin):
     """Rotate each pair (x_i, x_{i+E/2}) by its angle. x: [B, heads, T, E]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, heads, T, E]: (-x2, x1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)  # x cos + rotated sin, one operation fewer per layer
 
 
 class Attention(nn.Module):
@@ -223,7 +223,7 @@ class Attention(nn.Module):
         qk, v = self.wqkv(x).split([(H + K) * E, K * E], dim=-1)  # [B, T, (H+K)*E], [B, T, K*E]
         # queries and keys rotate alike, so one call rotates both: a decoding step runs ~60 small tensor
         # operations per layer, each a few microseconds of dispatch whatever its size, and a second
-        # apply_rotary would be seven more
+        # apply_rotary would be six more
         qk = apply_rotary(qk.view(B, T, H + K, E).transpose(1, 2), cos, sin)  # [B, H+K, T, E]
         q, k = qk.split([H, K], dim=1)  # [B, H, T, E], [B, K, T, E]
         v = v.view(B, T, K, E).transpose(1, 2)  # [B, K, T, E]

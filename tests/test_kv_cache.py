@@ -102,6 +102,8 @@ def test_cache_refuses_bad_operations():
     with pytest.raises(ValueError):
         cache.keep(2, [0, 9])  # past the end
     with pytest.raises(ValueError):
+        cache.keep(2, [-1, 0])  # before the tree
+    with pytest.raises(ValueError):
         cache.truncate(7)
     with pytest.raises(RuntimeError, match="full"):
         cache.claim(3)
