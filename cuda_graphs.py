@@ -4,7 +4,7 @@ On a GPU this model's pass is launch-bound: about 35 small kernels per layer, 30
 a few microseconds of Python and driver work while the GPU itself finishes each kernel sooner, so a
 pass over 1 or 64 inputs costs about the same 13-20 ms on an H100 (64-71 tokens/s, twice what this
 project's 2-core CPU does). A CUDA graph records a pass's kernels once and replays them all with one
-launch: 3.2 ms a pass there, 250-320 tokens/s (docs/results.md). gpt-fast gets
+launch: 2.5 ms a pass there, 345-391 tokens/s (docs/results.md). gpt-fast gets
 there with `torch.compile(mode="reduce-overhead")`, which records graphs of compiled kernels; here
 `torch.cuda.CUDAGraph` records the plain model, so a reader sees every step and the outputs are
 the same kernels' outputs.
