@@ -65,7 +65,7 @@ class KVCache:
             ascending = all(a < b for a, b in zip(offsets, offsets[1:]))
             if not ascending or offsets[0] < 0 or start + offsets[-1] >= self.length:
                 raise ValueError("keep() needs ascending offsets inside the cache")
-            source = torch.tensor(offsets, device=self.keys.device) + start
+            source = torch.tensor([start + offset for offset in offsets], device=self.keys.device)
             # indexing with a tensor gathers into a fresh tensor first, so overlapping moves are safe
             self.keys[:, :, :, start:start + count] = self.keys[:, :, :, source]
             self.values[:, :, :, start:start + count] = self.values[:, :, :, source]
