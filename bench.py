@@ -85,6 +85,7 @@ from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import Linear, kernel_times, prepare_kernels
+from cpu_compiled import CompiledModel, require_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
@@ -271,7 +272,7 @@ def bench_methods(args, tokenizer, report):
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_kernels(model)
-        model = GraphedModel(model) if args.cuda_graphs else model
+        model = GraphedModel(model) if args.cuda_graphs else CompiledModel(model) if args.compile else model
         greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
@@ -761,29 +762,36 @@ def bench_latency(name, args, tokenizer, report):
     folder = default_model_dir()
     ours = load_checkpoint(folder, dtype, args.device)
     prepare_kernels(ours)
-    ours = GraphedModel(ours) if args.cuda_graphs else ours
+    plain = ours
+    ours = GraphedModel(ours) if args.cuda_graphs else CompiledModel(ours) if args.compile else ours
     if args.device.type == "cpu":
-        bench_kernels(name, ours, args, report)
+        bench_kernels(name, plain, args, report)
     theirs = None
     if not args.skip_transformers:
         from transformers import LlamaForCausalLM
         theirs = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
 
     lines = []
-    ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels
+    ours_tokens_per_second(ours, [1, 2, 3], 4)  # warm-up: first calls allocate and pick kernels (and compile)
     for prompt in LATENCY_PROMPTS:
         ids = tokenizer.prompt_ids(prompt, raw=False)
-        ours_runs, theirs_runs = [], []
+        ours_runs, plain_runs, theirs_runs = [], [], []
         for _ in range(args.rounds):
             ours_runs.append(ours_tokens_per_second(ours, ids, args.new_tokens))
+            if args.compile:  # the same model uncompiled, in the same rounds
+                plain_runs.append(ours_tokens_per_second(plain, ids, args.new_tokens))
             if theirs:
                 theirs_runs.append(theirs_tokens_per_second(theirs, ids, args.new_tokens))
         ours_tps = statistics.median(ours_runs)
+        plain_tps = statistics.median(plain_runs) if plain_runs else None
         theirs_tps = statistics.median(theirs_runs) if theirs else None
-        lines.append([prompt[:40], ours_tps, theirs_tps, ours_tps / theirs_tps if theirs else None])
+        lines.append([prompt[:40], ours_tps, plain_tps, ours_tps / plain_tps if plain_tps else None, theirs_tps,
+                      ours_tps / theirs_tps if theirs else None])
         print(f"  {prompt[:40]!r}: ours {ours_tps:.1f} tok/s", file=sys.stderr, flush=True)
     report.table(f"{name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s (median of {args.rounds} "
                  "rounds)", [Column("prompt"), Column("ours", "ours tok/s", "{:.1f}"),
+                             Column("uncompiled", "ours uncompiled tok/s (--compile)", "{:.1f}"),
+                             Column("compiled_ratio", "compiled / uncompiled", "{:.2f}x"),
                              Column("transformers", "transformers tok/s", "{:.1f}"),
                              Column("ratio", "ours / transformers", "{:.2f}x")], lines,
                  kind="vanilla_speed", dtype=name)
@@ -815,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where our model and the peers run")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --device cuda: our decoding passes replayed as recorded CUDA graphs (cuda_graphs.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="on a CPU: our decoding passes compiled by torch.compile (cpu_compiled.py); latency also "
+                        "times the uncompiled model in the same rounds")
     p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
                    help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
@@ -892,14 +903,14 @@ def machine(device: torch.device) -> dict:
 # the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
 # read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
 READS = {
-    "methods": {"categories", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
+    "methods": {"categories", "compile", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
                 "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
     "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
              "new_tokens", "prompts"},
-    "latency": {"cuda_graphs", "device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
+    "latency": {"compile", "cuda_graphs", "device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
 }
 
 
@@ -922,9 +933,11 @@ def bench_command(argv) -> None:
     args.device = parse_device(args.device)
     if args.cuda_graphs:
         require_gpu(args.device)
+    if args.compile:
+        require_cpu(args.device)
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run
-    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs})
+    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs, "compiled": args.compile})
     print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
     with torch.inference_mode():

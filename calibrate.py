@@ -108,13 +108,19 @@ def step_latency(model, cache: KVCache, rows: int, reps: int, whole_step: bool =
     return statistics.median(timed_pass(model, cache, rows, whole_step) for _ in range(reps))
 
 
-def latency_rounds(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
-                   whole_step: bool = False) -> dict[int, list[list[float]]]:
-    """For each size, `rounds` lists of `reps` timed passes, the sizes interleaved pass by pass (so a
-    burst of load hits every size alike); progress on stderr."""
+def warmed_cache(model, sizes: list[int], whole_step: bool = False) -> KVCache:
+    """A prefilled cache after one untimed pass at each size: the first pass at a new size allocates and
+    picks kernels (and, with --compile, compiles: about a minute a size, the first time)."""
     cache = prefilled_cache(model, CACHED, max(sizes))
-    for n in sizes:  # warm-up: the first pass at a new size allocates and picks kernels
+    for n in sizes:
         timed_pass(model, cache, n, whole_step)
+    return cache
+
+
+def latency_rounds(model, cache: KVCache, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
+                   whole_step: bool = False) -> dict[int, list[list[float]]]:
+    """For each size, `rounds` lists of `reps` timed passes on a `warmed_cache`, the sizes interleaved
+    pass by pass (so a burst of load hits every size alike); progress on stderr."""
     passes = {n: [[] for _ in range(rounds)] for n in sizes}
     progress = Progress("measuring L(n)")
     for round_number in range(rounds):
@@ -129,7 +135,7 @@ def latency_rounds(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PA
 def latencies(model, sizes: list[int], rounds: int = ROUNDS, reps: int = PASSES_PER_ROUND,
               whole_step: bool = False) -> dict[int, float]:
     """L(n) for each size: the LOW_QUANTILE of its passes over interleaved rounds (latency_rounds)."""
-    return low_quantiles(latency_rounds(model, sizes, rounds, reps, whole_step))
+    return low_quantiles(latency_rounds(model, warmed_cache(model, sizes, whole_step), sizes, rounds, reps, whole_step))
 
 
 def low_quantiles(passes: dict[int, list[list[float]]]) -> dict[int, float]:
@@ -179,10 +185,9 @@ def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_
 # ---- this machine's table ---------------------------------------------------------------------------
 
 def machine_key(model) -> str:
-    if model.device.type == "cuda":
-        where = torch.cuda.get_device_name(model.device) + (" graphed" if isinstance(model, GraphedModel) else "")
-    else:
-        where = f"{cpu_name()} x{os.cpu_count()}"
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"{cpu_name()} x{os.cpu_count()}"
+    if isinstance(model, GraphedModel):  # its passes cost what the plain model's do not
+        where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
 
@@ -261,8 +266,9 @@ def read_or_measure(model, key: str, save: bool) -> Latency:
         return Latency(table_seconds(table))
     print("cost-aware drafting: measuring this machine's L(n), the cost of a pass over n inputs, once "
           "(some seconds)", file=sys.stderr)
-    before = cpu_ticks()
-    passes = latency_rounds(model, LATENCY_SIZES, whole_step=True)
+    cache = warmed_cache(model, LATENCY_SIZES, whole_step=True)  # before the CPUs' clock: a warm-up that
+    before = cpu_ticks()  # compiles may run worker processes, no sign of a busy machine
+    passes = latency_rounds(model, cache, LATENCY_SIZES, whole_step=True)
     measured = low_quantiles(passes)
     busy = why_busy(passes, share_of_others(before, cpu_ticks()), model.device.type)
     if busy:

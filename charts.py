@@ -122,7 +122,7 @@ def calibration_figure(machine: str, methods: dict[str, dict]):
 def machine_label(machine: dict) -> str:
     """Where a bench.py run measured: the GPU or the CPU model, its cores and threads, torch."""
     where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
-    graphs = " (CUDA graphs)" if machine.get("cuda_graphs") else ""
+    graphs = " (CUDA graphs)" if machine.get("cuda_graphs") else " (compiled)" if machine.get("compiled") else ""
     return (f"{where} · {machine.get('device', '?')}{graphs} · {machine.get('threads', '?')} threads · "
             f"torch {machine.get('torch', '?')}")
 

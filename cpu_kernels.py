@@ -17,14 +17,18 @@ stream from RAM as in a real step); the kernels below are its winners on 2 AMD E
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
   (float32 accumulation) and, unlike float32, costs about the same for 1 row as for 8.
-Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear. In
+Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
+Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
+as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
+(an opaque operation: the compiler cannot trace oneDNN's re-laid-out weights); in bfloat16 it is given
+F.linear, which the compiler itself lays out for the same oneDNN kernel. In
 float32 the result is the same computation either way (only its speed differs); in bfloat16 every
 kernel accumulates in float32 and rounds the output to bfloat16, so results agree to bfloat16's
 rounding (tests/test_cpu_kernels.py).
 """
 
-import functools
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,8 @@ class Linear(nn.Linear):
         # (train_prompt.py) needs kernels autograd knows
         if kernel == "blocked":
             return self.blocked_matmul(x, rows)
+        if kernel == "packed" and torch.compiler.is_compiling():
+            return packed_linear(x, self.weight)
         if kernel == "packed":
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed_weight(), None, "none", [], "")
             return y.view(*x.shape[:-1], -1)
@@ -56,9 +62,10 @@ class Linear(nn.Linear):
         if dtype == torch.float32:
             if rows <= self.MAX_BLOCKED_ROWS and self.out_features % self.BLOCK_ROWS == 0:
                 return "blocked"
-            return "packed" if torch.backends.mkldnn.is_available() else "F.linear"
-        if dtype == torch.bfloat16 and bfloat16_kernels():
-            return "packed"
+            return "packed" if ONEDNN else "F.linear"
+        if dtype == torch.bfloat16 and BFLOAT16_KERNELS:
+            # compiled: F.linear, which torch.compile (freezing the weights) lays out for this kernel itself
+            return "F.linear" if torch.compiler.is_compiling() else "packed"
         return "F.linear"
 
     def blocked_matmul(self, x, rows):
@@ -73,20 +80,47 @@ class Linear(nn.Linear):
         return y.view(self.out_features, rows).T.contiguous().view(*x.shape[:-1], self.out_features)
 
     def packed_weight(self):
-        """W re-laid out for oneDNN, made once and remade if W changes."""
-        weight = self.weight
-        key = (weight.data_ptr(), weight.dtype, 0 if weight.is_inference() else weight._version)  # inference
-        # tensors (loaded under torch.inference_mode) cannot change in place, so they need no version
-        if getattr(self, "_packed_key", None) != key:
-            self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-            self._packed_key = key
-        return self._packed_weight
+        """W re-laid out for oneDNN (made on first use, remade if W changes)."""
+        return packed_copy(self.weight)
 
 
-@functools.cache
+ONEDNN = torch.backends.mkldnn.is_available()
+# whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX; on AVX2 it does not);
+# constants, read once, so that torch.compile can trace the choice of kernel
+BFLOAT16_KERNELS = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def bfloat16_kernels() -> bool:
-    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX; on AVX2 it does not)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return BFLOAT16_KERNELS
+
+
+@torch.library.custom_op("cpu_kernels::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T by oneDNN's GEMM on W's re-laid-out copy, as one operation for torch.compile: it calls
+    this as it is, where it would otherwise try to trace the copy (an opaque oneDNN tensor) and fail.
+    x: [..., I], weight: [O, I] -> [..., O]."""
+    rows = x.numel() // x.shape[-1]
+    return torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed_copy(weight), None, "none", [], "").view(
+        *x.shape[:-1], -1)
+
+
+@packed_linear.register_fake
+def _(x, weight):  # the output's shape, for tracing
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+PACKED_COPIES: dict[tuple, torch.Tensor] = {}  # (W's address, shape, dtype, version) -> its re-laid-out copy
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """W re-laid out for oneDNN, made once per weight tensor (and again if W changes in place: the key
+    holds its version) and dropped with W, so that no tensor later at W's address finds W's copy."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, 0 if weight.is_inference() else weight._version)
+    # (inference tensors, loaded under torch.inference_mode, cannot change in place, so have no version)
+    if key not in PACKED_COPIES:
+        PACKED_COPIES[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+        weakref.finalize(weight, PACKED_COPIES.pop, key, None)
+    return PACKED_COPIES[key]
 
 
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:

@@ -84,6 +84,8 @@ class GraphedModel:
     """A Llama whose decoding passes replay CUDA graphs (see the module docstring); everything else
     (config, embed, logits, first_layers, ...) is the wrapped model's."""
 
+    LABEL = "graphed"  # in the key of this machine's saved L(n) (calibrate.machine_key)
+
     def __init__(self, model, capacity: int | None = None):
         """`capacity`: the most slots a cache it adopts may have (default: the model's context, plus
         room for a tree's extra inputs and the padding)."""
@@ -117,13 +119,17 @@ class GraphedModel:
         key = (bucket, min(window, self.buffer.capacity))
         step = self.passes.get(key) or self.new_pass(*key)
         self.fill(step, embeds, positions.view(-1), slots, mask)
+        self.run(step)
+        return step.hidden[:, :T].clone()  # the next replay overwrites step.hidden
+
+    def run(self, step: StaticPass) -> None:
+        """Run `step`'s pass: replay its graph, recorded the first time (on a CPU: run it plainly)."""
         if step.graph is None and self.model.device.type == "cuda":
             step.graph = self.record(step)  # capturing lays the kernels down without running them
         if step.graph is None:
             step.run(self.model)
         else:
             step.graph.replay()
-        return step.hidden[:, :T].clone()  # the next replay overwrites step.hidden
 
     def adopt(self, cache) -> bool:
         """Make `cache` keep its K/V in the buffer (once per cache: what it holds is copied in); False

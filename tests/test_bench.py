@@ -99,7 +99,8 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
 
 def test_cuda_graphs_off_a_gpu_and_for_benchmarks_that_do_not_time_passes_are_one_error(capsys, tmp_path):
     for argv, says in [(["latency", "--cuda-graphs"], "add --device cuda"),
-                       (["acceptance", "--cuda-graphs"], "applies to bench.py methods and latency only")]:
+                       (["acceptance", "--cuda-graphs"], "applies to bench.py methods and latency only"),
+                       (["acceptance", "--compile"], "applies to bench.py methods and latency only")]:
         assert bench.main([*argv, "--out", str(tmp_path / "r.json")]) != 0
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err

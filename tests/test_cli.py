@@ -189,6 +189,11 @@ def test_cuda_graphs_off_a_gpu_or_with_apar_is_a_clear_error(capsys, tiny_folder
                                        "--method", "apar", "--prompt", "hi")[::2], "its own engine")
 
 
+def test_compile_with_apar_is_a_clear_error(capsys, tiny_folder):
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--compile", "--method", "apar",
+                                   "--prompt", "hi")[::2], "its own engine")
+
+
 def test_missing_model_directory(capsys, tmp_path):
     assert_one_line_error(*run_cli(capsys, "--model", str(tmp_path / "nope"), "--prompt", "hi")[::2],
                           "does not exist")

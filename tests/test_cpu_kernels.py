@@ -1,6 +1,9 @@
 """cpu_kernels.Linear computes nn.Linear's y = x W^T with whichever kernel it picks: every row count
 a pass can feed (1 to past MAX_PACKED_ROWS), every leading shape, float32 and (where this CPU has
-oneDNN's bfloat16 kernels) bfloat16; a changed weight is laid out anew; training gets F.linear."""
+oneDNN's bfloat16 kernels) bfloat16; a changed weight is laid out anew, a freed one's copy is dropped;
+training gets F.linear. (Compiled: tests/test_cpu_compiled.py.)"""
+
+import gc
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from hypothesis import given, strategies as st
 
 from helpers import cheap, random_model, tiny_hf_config
 
+import cpu_kernels
 from cpu_kernels import Linear, bfloat16_kernels, prepare_kernels
 
 needs_bfloat16 = pytest.mark.skipif(not bfloat16_kernels(), reason="this CPU's oneDNN has no bfloat16 kernels")
@@ -79,11 +83,26 @@ def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype):
     model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=dtype)  # rows: 64s
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     prepare_kernels(model, 1)  # vanilla
-    laid_out = [hasattr(m, "_packed_weight") for m in linears]
+    laid_out = [has_packed_copy(m) for m in linears]
     # float32 multiplies one row by blocks of W as it is; bfloat16 needs oneDNN's layout from the first row
     assert laid_out == [dtype == torch.bfloat16] * len(linears)
     prepare_kernels(model)  # trees of guesses
-    assert all(hasattr(m, "_packed_weight") for m in linears) == torch.backends.mkldnn.is_available()
+    assert all(has_packed_copy(m) for m in linears) == torch.backends.mkldnn.is_available()
+
+
+def has_packed_copy(linear: Linear) -> bool:
+    return any(address == linear.weight.data_ptr() for address, *_ in cpu_kernels.PACKED_COPIES)
+
+
+def test_a_packed_copy_goes_with_its_weight():
+    """A copy kept after its weight is freed would be found by the next tensor at that address."""
+    layer = linear(Linear.BLOCK_ROWS, 48)
+    layer(torch.randn(5, 48))
+    address = layer.weight.data_ptr()
+    assert any(key[0] == address for key in cpu_kernels.PACKED_COPIES)
+    del layer
+    gc.collect()
+    assert not any(key[0] == address for key in cpu_kernels.PACKED_COPIES)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
