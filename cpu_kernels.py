@@ -110,18 +110,20 @@ def _(x, weight):  # the output's shape, for tracing
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-PACKED_COPIES: dict[tuple, torch.Tensor] = {}  # (W's address, shape, dtype, version) -> its re-laid-out copy
+PACKED_COPIES: dict[tuple, tuple[int, torch.Tensor]] = {}  # (W's address, shape, dtype) -> (W's version, copy)
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor:
-    """W re-laid out for oneDNN, made once per weight tensor (and again if W changes in place: the key
-    holds its version) and dropped with W, so that no tensor later at W's address finds W's copy."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, 0 if weight.is_inference() else weight._version)
-    # (inference tensors, loaded under torch.inference_mode, cannot change in place, so have no version)
+    """W re-laid out for oneDNN, made once per weight tensor, remade (replacing the old one) if W changes
+    in place, and dropped with W, so that no tensor later at W's address finds W's copy."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    version = 0 if weight.is_inference() else weight._version  # inference tensors, loaded under
+    # torch.inference_mode, cannot change in place, so have no version
     if key not in PACKED_COPIES:
-        PACKED_COPIES[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
         weakref.finalize(weight, PACKED_COPIES.pop, key, None)
-    return PACKED_COPIES[key]
+    if PACKED_COPIES.get(key, (None,))[0] != version:
+        PACKED_COPIES[key] = version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    return PACKED_COPIES[key][1]
 
 
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:

@@ -69,6 +69,7 @@ def test_a_changed_weight_is_laid_out_anew():
     with torch.no_grad():
         layer.weight.mul_(2)
     torch.testing.assert_close(layer(x), 2 * first, rtol=1e-5, atol=1e-5)
+    assert sum(key[0] == layer.weight.data_ptr() for key in cpu_kernels.PACKED_COPIES) == 1  # the old copy replaced
 
 
 def test_training_gets_gradients_through_f_linear():
