@@ -38,6 +38,9 @@ one first (apar_prompts; self_distill.py's 13-word rule keeps the benchmark's pr
   answers loop more often than not; what PPD and Medusa learn from);
 - `sharegpt`: the reply ShareGPT recorded for the prompt, the paper's data (section 3.1);
 - `mix`: both.
+A cheaper round adds to a trained adapter instead of starting afresh: `--from-adapter` continues it,
+`--list-prompts-only` answers only the list-style prompts (the same ones held out), and
+`--min-points` trains only on trees with that many points.
 The shipped adapter learned from the model's answers to 3000 prompts (5400 answers, two epochs). A
 round of one epoch on 600 prompts, either source, forks on fewer held-out list prompts than it
 (docs/results.md, "A round that fits this CPU"): ShareGPT's replies give longer answers with more
@@ -256,6 +259,7 @@ class TrainingExample:
     tree: Tree  # prompt, then the threads' tokens; parents[i]: the token before i in its thread
     labels: list[int]  # labels[i]: the token the model must write after node i, or IGNORE
     kind: str  # the structure's kind
+    points: int  # forks in the tree (an answer cut off has lost its last point)
 
 
 class ThreadLayout:
@@ -306,7 +310,7 @@ def training_example(prompt_ids: list[int], answer_ids: list[int], tokenizer, co
         node = layout.chain(node, tokenizer.encode(shape.tail))
     if not cut:
         layout.end(node, eos)
-    return TrainingExample(Tree(layout.tokens, layout.parents), layout.labels, shape.kind)
+    return TrainingExample(Tree(layout.tokens, layout.parents), layout.labels, shape.kind, len(shape.points))
 
 
 # ---- the adapter: base weights + a low-rank update, merged at load time -----------------------
@@ -336,6 +340,16 @@ class AparAdapter(nn.Module):
             return lambda module, inputs, output: output + (inputs[0] @ self.down[key].T) @ self.up[key].T
         return [linear.register_forward_hook(hook(name.replace(".", "_")))
                 for name, linear in adapted_linears(model).items()]
+
+    def start_from(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Continue from a trained adapter's tensors (as `tensors` gives them) instead of the start
+        above; its rank must be this one's."""
+        with torch.no_grad():
+            self.control.copy_(tensors["control_embeddings"])
+            for name in self.names:
+                key = name.replace(".", "_")
+                self.down[key].copy_(tensors[f"{name}.down"])
+                self.up[key].copy_(tensors[f"{name}.up"])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """As apply_adapter reads them."""
@@ -375,12 +389,13 @@ def packs(examples: list, max_tokens: int) -> list[list]:
     return groups
 
 
-def apar_examples(records, tokenizer, control, unstructured_share: float = 1.0) -> list:
-    """Paragraph-tree examples: every structured one (lists, paragraphs), then unstructured ones up
-    to `unstructured_share` times as many (section 3.2 samples the two 1:1). Repetitive answers are
-    left out (but for a list before the loop, see training_example): they would teach the model to loop."""
+def apar_examples(records, tokenizer, control, unstructured_share: float = 1.0, min_points: int = 0) -> list:
+    """Paragraph-tree examples: every structured one (lists, paragraphs) with at least `min_points`
+    points, then unstructured ones up to `unstructured_share` times as many (section 3.2 samples the
+    two 1:1). Repetitive answers are left out (but for a list before the loop, see
+    training_example): they would teach the model to loop."""
     examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
-    structured = [e for e in examples if e.kind in ("list", "paragraphs")]
+    structured = [e for e in examples if e.kind in ("list", "paragraphs") and e.points >= min_points]
     unstructured = [e for e in examples if e.kind == "unstructured"]
     return structured + unstructured[:max(round(unstructured_share * len(structured)), 1)]
 

@@ -42,20 +42,24 @@ def answer_order(prompt_ids: list[list[int]]) -> list[int]:
 
 
 def is_held_out(index: int) -> bool:
-    """Whether the index-th record of an answer file (in answer_order, not the prompts' order) is held
-    out of training."""
+    """Whether the index-th prompt in answer_order (not the prompts' given order) is held out of
+    training."""
     return index % VALIDATION_EVERY == 0
 
 
-def split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) records of one answer file, as train_prompt.py splits them."""
-    return ([r for i, r in enumerate(records) if not is_held_out(i)],
-            [r for i, r in enumerate(records) if is_held_out(i)])
+def split_records(records: list[dict], tokenizer, held_out: list[str]) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) records of an answer file, as train_prompt.py splits them: held out when
+    they answer one of the `held_out` prompts (held_out_prompts of the whole prompt set, so that a
+    file answering only some of the set holds out what the whole set's file would)."""
+    held = {tuple(tokenizer.prompt_ids(p, raw=False)) for p in held_out}
+    return ([r for r in records if tuple(r["prompt_ids"]) not in held],
+            [r for r in records if tuple(r["prompt_ids"]) in held])
 
 
 def held_out_prompts(tokenizer, prompts: list[str]) -> list[str]:
-    """The prompts whose answers split_records holds out (so a model trained on the others never saw
-    them; bench.py apar), in their given order."""
+    """Every 10th prompt in answer_order (is_held_out): those whose answers training leaves out
+    (split_records), so that a model trained on the others never saw them (bench.py apar), in their
+    given order."""
     order = answer_order([tokenizer.prompt_ids(p, raw=False) for p in prompts])
     return [prompts[i] for i in sorted(i for index, i in enumerate(order) if is_held_out(index))]
 
@@ -102,9 +106,9 @@ def sharegpt_answers(prompts: list[str]) -> dict[str, str]:
 
 def recorded_answers(tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict | None]:
     """Records {"prompt_ids", "answer_ids"} of ShareGPT's recorded replies in answer_order, as
-    generate_answers writes the model's, so that split_records holds out the same prompts: the
-    reply's tokens and EOS, cut to `max_new_tokens` as a generated answer would be (then without
-    EOS). None in the place of a prompt whose conversation has no reply (drop it after the split)."""
+    generate_answers writes the model's: the reply's tokens and EOS, cut to `max_new_tokens` as a
+    generated answer would be (then without EOS). None in the place of a prompt whose conversation
+    has no reply."""
     replies = sharegpt_answers(prompts)
     prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
     eos = min(tokenizer.eos_ids)

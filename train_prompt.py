@@ -36,7 +36,8 @@ from safetensors.torch import load_file, save_file
 
 import artifacts
 from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
-from apar_finetune import AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, packs, repetitive
+from apar_finetune import (AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, looks_list_style, packs,
+                           repetitive)
 from calibrate import cpu_name
 from cpu_kernels import bfloat16_kernels
 from convert import cache_root, default_model_dir
@@ -48,8 +49,8 @@ from model import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from progress import Progress
 from sampling import Sampling
-from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, recorded_answers, sequence,
-                          split_records, training_prompts)
+from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, held_out_prompts,
+                          recorded_answers, sequence, split_records, training_prompts)
 from staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
@@ -63,6 +64,8 @@ LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train
 def data_file(model, folder: Path, args) -> Path:
     # APAR asks other prompts, for longer answers, and stops an answer once it loops (apar_answer_stop)
     kind = "apar-stopped-at-loops" if args.command == "apar" else "answers"
+    if getattr(args, "list_prompts_only", False):
+        kind += "-list-prompts"
     name = f"{kind}-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
     return cache_root() / "distill" / f"{folder.name}-{artifacts.model_fingerprint(model)['weights_sha256']}" / name
 
@@ -77,24 +80,25 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     source = getattr(args, "answers", "model")
     choose = apar_prompts if args.command == "apar" else training_prompts
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
-    splits = []
+    held_out = held_out_prompts(tokenizer, prompts)  # the whole set's, also when only its list prompts are answered
+    if getattr(args, "list_prompts_only", False):
+        prompts = [p for p in prompts if looks_list_style(p)]
+    files = []
     if source in ("model", "mix"):
         print(f"self-distilled answers: {path}", file=sys.stderr)
         stop = apar_answer_stop(tokenizer) if args.command == "apar" else None
-        files = [generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
-                                  batch_size=args.answer_batch, stop=stop)]
+        files.append(generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
+                                      batch_size=args.answer_batch, stop=stop))
         for copy in range(getattr(args, "sampled_answers", 0)):
             files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"),
                                           prompts, max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
                                           sampling=SAMPLED, seed=1_000_003 * copy, stop=stop))
-        splits += [split_records(records) for records in files]
     if source in ("sharegpt", "mix"):
-        replies = recorded_answers(tokenizer, prompts, args.max_new_tokens)
-        print(f"ShareGPT's recorded replies to {sum(r is not None for r in replies)} of the {len(prompts)} prompts",
-              file=sys.stderr)
-        recorded = split_records(replies)
-        splits.append(tuple([r for r in part if r is not None] for part in recorded))
-    return [r for training, _ in splits for r in training], [r for _, held_out in splits for r in held_out]
+        replies = [r for r in recorded_answers(tokenizer, prompts, args.max_new_tokens) if r is not None]
+        print(f"ShareGPT's recorded replies to {len(replies)} of the {len(prompts)} prompts", file=sys.stderr)
+        files.append(replies)
+    splits = [split_records(records, tokenizer, held_out) for records in files]
+    return [r for training, _ in splits for r in training], [r for _, held in splits for r in held]
 
 
 def apar_answer_stop(tokenizer):
@@ -212,7 +216,8 @@ def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict
 def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     require_tied_embeddings(model)
     control = ControlTokens.of(tokenizer)
-    training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share) for r in (training, held_out))
+    training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share, args.min_points)
+                          for r in (training, held_out))
     kinds = {kind: sum(e.kind == kind for e in training) for kind in ("list", "paragraphs", "unstructured")}
     deciles = length_deciles(training)
     print(f"APAR examples: {kinds} for training, {len(held_out)} held out; tokens per example (prompt, "
@@ -220,6 +225,10 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
     adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
+    started_from = None
+    if args.from_adapter is not None:
+        tensors, started_from = earlier_adapter(model, args)
+        adapter.start_from(tensors)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
     handles = adapter.attach(model)
 
@@ -239,7 +248,27 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
             handle.remove()
     return adapter.tensors(), {"rank": args.rank, "adapted": list(ADAPTED_LINEARS), "examples": kinds,
                                "tokens_per_example_deciles": deciles,
-                               "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation}
+                               "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation,
+                               **({"started_from": started_from} if started_from else {})}
+
+
+def earlier_adapter(model, args) -> tuple[dict, dict]:
+    """--from-adapter: its tensors, and what the new adapter's JSON records of it (where it was and how
+    it was trained). It must have held out the prompts this round holds out (the same --records and
+    --max-prompt-tokens), or a prompt one of the two learned from could be measured as held out."""
+    tensors, meta = artifacts.load(args.from_adapter, "apar", model)
+    settings = meta.get("training", {}).get("settings", {})
+    for option in ("records", "max_prompt_tokens"):
+        if settings.get(option) != getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise UserError(f"--from-adapter {args.from_adapter} was trained with {flag} {settings.get(option)}, "
+                            f"this round has {getattr(args, option)}: give it the same, so that both hold out "
+                            f"the same prompts")
+    found = next(t.shape[0] for name, t in tensors.items() if name.endswith(".down"))
+    if found != args.rank:
+        raise UserError(f"--from-adapter {args.from_adapter} has rank {found}; give --rank {found}")
+    return tensors, {"adapter": str(args.from_adapter), "training": {k: v for k, v in meta["training"].items()
+                                                                      if k != "runs"}}
 
 
 def apar_loss(model, adapter, control, examples, precision: str = "float32") -> torch.Tensor:
@@ -395,9 +424,18 @@ def build_parser() -> argparse.ArgumentParser:
     apar.add_argument("--answers", choices=["model", "sharegpt", "mix"], default="model",
                       help="what the adapter learns to write: the model's own answers (greedy and sampled), "
                            "ShareGPT's recorded replies to the same prompts (the paper's data), or both")
+    apar.add_argument("--list-prompts-only", action="store_true",
+                      help="answer only the list-style prompts among the --records ones (the same held out as "
+                           "with all of them): a cheaper round that adds list data")
     apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
                       help=f"model's answers per prompt drawn at temperature {SAMPLED.temperature}, top-p "
                            f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model or mix)")
+    apar.add_argument("--min-points", type=integer(0, 100), default=0,
+                      help="train on a list or paragraph tree only if it has at least this many points (an "
+                           "answer cut off loses its last), 0..100; 0: all")
+    apar.add_argument("--from-adapter", type=Path, metavar="PATH",
+                      help="continue training this adapter (PATH.safetensors and PATH.json, made with the same "
+                           "--records, --max-prompt-tokens and --rank) instead of starting afresh")
     apar.add_argument("--rank", type=integer(1, 256), default=16, help="rank of the low-rank (LoRA) updates, 1..256")
     apar.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     apar.add_argument("--unstructured-share", type=number(0.0, 100.0), default=1.0,
@@ -440,6 +478,8 @@ def train_command(argv) -> None:
     model.requires_grad_(False)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
+    if getattr(args, "from_adapter", None) is not None:
+        earlier_adapter(model, args)  # refused before the answers are made, not after
     training, held_out = answers(model, tokenizer, folder, args)
     if args.command == "data":
         return

@@ -189,6 +189,33 @@ def test_a_cut_answer_drops_its_last_point_and_learns_no_end():
 
 
 
+def test_min_points_keeps_trees_with_enough_points_and_negatives_in_their_share():
+    """--min-points counts the points a tree trains (a cut answer has lost its last), and the
+    unstructured negatives are sized to the structured examples kept."""
+    tok = CharTokenizer()
+    points = "".join(f"{n}. P{n}: detail number {n}.\n" for n in range(1, 6))
+    records = [{"prompt_ids": [7], "answer_ids": tok.encode(text) + ([] if cut else [EOS])} for text, cut in [
+        (points, False),  # 5 points
+        (points, True),  # cut off: 4 trained
+        ("".join(points.splitlines(keepends=True)[:3]), False),  # 3 points
+        ("x = 1 + 2\n", False), ("y = 3 * 4\n", False), ("z = 5 / 6\n", False)]]  # unstructured
+    examples = apar_finetune.apar_examples(records, tok, CONTROL, unstructured_share=1.0, min_points=4)
+    assert [(e.kind, e.points) for e in examples] == [("list", 5), ("list", 4), ("unstructured", 0), ("unstructured", 0)]
+    assert len(apar_finetune.apar_examples(records, tok, CONTROL, min_points=0)) == 6
+
+
+def test_an_adapter_continued_from_starts_where_it_ended():
+    """--from-adapter: start_from takes a trained adapter's tensors as they were saved."""
+    model = random_model(tiny_hf_config(vocab=160, tied=True), seed=4)
+    trained = AparAdapter(model, CONTROL, rank=4, seed=0)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    continued = AparAdapter(model, CONTROL, rank=4, seed=1)
+    continued.start_from(trained.tensors())
+    assert all(torch.equal(continued.tensors()[name], tensor) for name, tensor in trained.tensors().items())
+
+
 def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_did():
     """A few steps of train_prompt.py's APAR loss on one hand-made tree lower it; then apply_adapter
     (W += up @ down, control rows set) gives the logits the hooked training model gave."""

@@ -109,11 +109,28 @@ def test_the_prompts_named_held_out_are_those_whose_answers_training_holds_out(t
     prompts = ["ab"[n % 2] * n for n in lengths]
     tokenizer = LengthTokenizer()
     records = generate_answers(MODEL, tokenizer, tmp_path / "answers.jsonl", prompts, max_new_tokens=1, batch_size=8)
-    training, held_out = split_records(records)
+    training, held_out = split_records(records, tokenizer, held_out_prompts(tokenizer, prompts))
     prompt_of = {tuple(tokenizer.prompt_ids(p, raw=False)): p for p in prompts}
     named = held_out_prompts(tokenizer, prompts)
     assert sorted(prompt_of[tuple(r["prompt_ids"])] for r in held_out) == sorted(named) and len(named) == 4
     assert not {prompt_of[tuple(r["prompt_ids"])] for r in training} & set(named)
+
+
+def test_a_file_answering_some_of_the_prompts_holds_out_what_the_whole_sets_file_would(tmp_path):
+    """train_prompt.py apar --list-prompts-only answers a subset of the prompts: its records are
+    held out by the whole set's rule (a subset's own answer order would hold out others)."""
+    lengths = list(range(1, 41))
+    random.Random(2).shuffle(lengths)
+    prompts = ["ab"[n % 2] * n for n in lengths]
+    tokenizer = LengthTokenizer()
+    named = held_out_prompts(tokenizer, prompts)
+    some = [p for p in prompts if p.startswith("a")]
+    records = generate_answers(MODEL, tokenizer, tmp_path / "some.jsonl", some, max_new_tokens=1, batch_size=8)
+    training, held_out = split_records(records, tokenizer, named)
+    prompt_of = {tuple(tokenizer.prompt_ids(p, raw=False)): p for p in prompts}
+    assert sorted(prompt_of[tuple(r["prompt_ids"])] for r in held_out) == sorted(set(named) & set(some))
+    assert held_out_prompts(tokenizer, some) != sorted(set(named) & set(some), key=some.index)  # the test can tell
+    assert {prompt_of[tuple(r["prompt_ids"])] for r in training} == set(some) - set(named)
 
 
 def test_an_interrupted_file_resumes_to_what_one_run_writes(tmp_path):
@@ -141,8 +158,8 @@ def test_recorded_replies_are_held_out_like_the_models_answers(monkeypatch):
     replies = {p: "x" * len(p) for i, p in enumerate(prompts) if i % 3}  # every third prompt has no reply
     monkeypatch.setattr(self_distill, "sharegpt_answers", lambda asked: {p: replies[p] for p in asked if p in replies})
     tokenizer = LengthTokenizer()
-    training, held_out = ([r for r in part if r is not None]
-                          for part in split_records(recorded_answers(tokenizer, prompts, max_new_tokens=20)))
+    recorded = [r for r in recorded_answers(tokenizer, prompts, max_new_tokens=20) if r is not None]
+    training, held_out = split_records(recorded, tokenizer, held_out_prompts(tokenizer, prompts))
     prompt_of = {tuple(tokenizer.prompt_ids(p, raw=False)): p for p in prompts}
     named = set(held_out_prompts(tokenizer, prompts))
     assert {prompt_of[tuple(r["prompt_ids"])] for r in held_out} == named & set(replies)

@@ -95,3 +95,24 @@ def test_apar_stops_an_answer_once_it_loops():
     points = [ord(c) for c in "".join(f"{n}. point number {n} of the list\n" for n in range(1, 6))]
     loop = [ord(c) for c in "1. the same line again\n" * 6]
     assert not stop(points) and stop(points + loop)
+
+
+@pytest.mark.parametrize("records, rank, fragment", [
+    (None, 4, "no apar artifact at"), (600, 4, "was trained with --records 600, this round has 3000"),
+    (3000, 8, "has rank 4; give --rank 4")])
+def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path, tiny_folder, records, rank, fragment):
+    """--from-adapter must have held out the prompts this round holds out, and have its rank."""
+    import artifacts
+    from model import load_checkpoint
+
+    model = load_checkpoint(tiny_folder, torch.float32, torch.device("cpu"))
+    if records is not None:
+        meta = {"kind": "apar", "model": artifacts.model_fingerprint(model),
+                "training": {"settings": {"records": records, "max_prompt_tokens": 192}}}
+        artifacts.save(tmp_path / "earlier", {"control_embeddings": torch.zeros(2, 8),
+                                              "layers.0.attention.wo.down": torch.zeros(4, 8)}, meta)
+    code = train_prompt.main(["apar", "--model", str(tiny_folder), "--from-adapter", str(tmp_path / "earlier"),
+                              "--rank", str(rank), "--out", str(tmp_path / "new")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("error:") == 1 and fragment in err and "Traceback" not in err
+    assert "self-distilled" not in err  # refused before the answers are made
