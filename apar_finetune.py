@@ -40,16 +40,18 @@ one first (apar_prompts; self_distill.py's 13-word rule keeps the benchmark's pr
 - `mix`: both.
 A cheaper round adds to a trained adapter instead of starting afresh: `--from-adapter` continues it,
 `--list-prompts-only` answers only the list-style prompts (the same ones held out), and
-`--min-points` trains only on trees with that many points.
+`--min-points` trains only on trees with that many points (docs/results.md, "Round five": such
+rounds forked less often than the shipped adapter).
 The shipped adapter learned from the model's answers to 3000 prompts (5400 answers, two epochs). A
 round of one epoch on 600 prompts, either source, forks on fewer held-out list prompts than it
 (docs/results.md, "A round that fits this CPU"): ShareGPT's replies give longer answers with more
 threads, the model's own read more like the base model.
 
 Cost of a round on a 2-core CPU (measured; docs/results.md has the commands):
-- the model's own answers: about 47 minutes for 600 prompts with static batches (greedy 19, sampled
-  28: every batch ran until its longest answer ended, and 70% of greedy answers loop to the 384-token
-  limit). Now a row takes the next prompt as soon as its answer ends (self_distill.answer_stream) and
+- the model's own answers: 25 minutes for the 959 list-style prompts of the 3000, greedy and sampled,
+  384 tokens, 32 rows (`--list-prompts-only --answer-batch 32`: 300-319 tokens/s); about 47 minutes
+  for 600 prompts with static batches (greedy 19, sampled 28: every batch ran until its longest
+  answer ended, and 70% of greedy answers loop to the 384-token limit). Now a row takes the next prompt as soon as its answer ends (self_distill.answer_stream) and
   an answer stops once it loops (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy,
   211 s before, 160 s with the rows refilled, 124 s stopped at the loop too, the same answers;
   ShareGPT's replies: seconds (they are read, not generated);
