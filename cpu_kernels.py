@@ -76,10 +76,6 @@ class Linear(nn.Linear):
         # and so must the output's, for the next layer: [rows, O] row-major (a copy when rows > 1)
         return y.view(self.out_features, rows).T.contiguous().view(*x.shape[:-1], self.out_features)
 
-    def packed_weight(self):
-        """W re-laid out for oneDNN (made on first use, remade if W changes)."""
-        return packed_copy(self.weight)
-
 
 ONEDNN = torch.backends.mkldnn.is_available()
 # whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX; on AVX2 it does not);
@@ -134,7 +130,7 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and any(module.kernel(model.device, model.dtype, rows) == "packed"
                                               for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
-            module.packed_weight()
+            packed_copy(module.weight)
 
 
 # ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
@@ -147,7 +143,7 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15)
     weight = linears[0].weight
     candidates = {"F.linear": lambda m, x: F.linear(x, m.weight)}
     if torch.backends.mkldnn.is_available():
-        candidates["packed"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), None, "none", [], "")
+        candidates["packed"] = lambda m, x: packed_product(x, m.weight)
     if weight.dtype == torch.float32:
         candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
     inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, dtype=weight.dtype) for m in linears}

@@ -225,9 +225,8 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
     adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
-    started_from = None
-    if args.from_adapter is not None:
-        tensors, started_from = earlier_adapter(model, args)
+    tensors, started_from = args.earlier_adapter or (None, None)
+    if tensors is not None:
         adapter.start_from(tensors)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
     handles = adapter.attach(model)
@@ -366,7 +365,8 @@ def settings(args) -> dict:
     """The options that shape training: a resume point made with others is ignored. The device is not
     one of them: a round started on a GPU may end on a CPU, and the other way round."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("save_every", "final_loss", "runs", "data", "answer_batch", "command_parser", "device")}
+            if k not in ("save_every", "final_loss", "runs", "data", "answer_batch", "command_parser", "device",
+                         "earlier_adapter")}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -478,8 +478,8 @@ def train_command(argv) -> None:
     model.requires_grad_(False)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
-    if getattr(args, "from_adapter", None) is not None:
-        earlier_adapter(model, args)  # refused before the answers are made, not after
+    if args.command == "apar":  # loaded (or refused) before the answers are made, not after
+        args.earlier_adapter = earlier_adapter(model, args) if args.from_adapter is not None else None
     training, held_out = answers(model, tokenizer, folder, args)
     if args.command == "data":
         return
