@@ -86,6 +86,11 @@ class OnlineLatency:
     FIRST_PASSES = 2  # passes of a size before cost-aware drafting relies on it (measured_enough)
     SAVE_EVERY = 64  # passes between two refreshes of the saved table
     WELL_MEASURED = 8, 0.3  # passes, and the most (q3 - q1) / median, for a size to be saved
+    # a pass this many times its size's estimate measured something else: its compilation (--compile,
+    # or --cuda-graphs recording, on a size's first pass: seconds, a thousand passes' worth) or a pause
+    # of the process. Ignored, IGNORED_AT_MOST times per size (a size meets its compilation once): any
+    # more such passes are a machine that did slow down, and are believed.
+    OUTLIER, IGNORED_AT_MOST = 20.0, 2
 
     def __init__(self, prior: Latency, save=None):
         self.prior, self.save = prior, save  # save(self): refresh the saved table
@@ -93,6 +98,7 @@ class OnlineLatency:
         self.seen: dict[int, int] = {}  # size -> passes of that size shown so far
         self.curve = prior
         self.saved_passes: dict[int, int] = {}  # size -> passes of it already counted in the saved table
+        self.ignored: dict[int, int] = {}  # size -> its OUTLIER passes ignored so far
         self.said_far_off = False
 
     def __call__(self, rows: int) -> float:
@@ -100,8 +106,11 @@ class OnlineLatency:
 
     def observe(self, inputs: int, seconds: float) -> None:
         """One timed pass over `inputs` inputs (a pass with no time, made by hand rather than by the
-        loop, measures nothing)."""
+        loop, measures nothing; nor does one of OUTLIER times the estimate, see there)."""
         if seconds <= 0:
+            return
+        if seconds > self.OUTLIER * self(inputs) and self.ignored.get(inputs, 0) < self.IGNORED_AT_MOST:
+            self.ignored[inputs] = self.ignored.get(inputs, 0) + 1
             return
         self.recent.setdefault(inputs, deque(maxlen=self.WINDOW)).append(seconds)
         self.seen[inputs] = self.seen.get(inputs, 0) + 1

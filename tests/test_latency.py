@@ -116,6 +116,19 @@ def test_outliers_do_not_move_the_estimate():
     assert online(4) == pytest.approx(TRUE(4))
 
 
+def test_a_pass_that_compiles_measures_nothing():
+    """With --compile a size's first pass compiles (~20-60 s); two sizes compiled one after the other
+    must not each vouch for the other's time, and a machine that did slow down is believed after a few."""
+    online = OnlineLatency(TRUE)
+    for inputs in [2, 4]:
+        online.observe(inputs, 30.0)
+    online.observe(2, TRUE(2))
+    assert [online(n) for n in [1, 2, 4]] == pytest.approx([TRUE(n) for n in [1, 2, 4]])
+    for _ in range(OnlineLatency.IGNORED_AT_MOST + OnlineLatency.TRUSTED):
+        online.observe(8, 30 * TRUE(8))
+    assert online(8) > 10 * TRUE(8)
+
+
 @given(st.lists(st.tuples(st.integers(1, 40), st.floats(1e-4, 1.0)), max_size=60),
        st.dictionaries(st.integers(1, 40), st.floats(1e-3, 1.0), min_size=1, max_size=6))
 def test_the_online_estimate_never_decreases_in_n(passes, prior):
