@@ -26,8 +26,7 @@ Each guess carries evidence (tree.Tree.evidence): a key saying what kind of gues
 level 4 seen twice, a trie branch taking three quarters of its siblings' occurrences, a Medusa head's
 rank-2 guess at distance 1, a draft model's guess of confidence 0.6) and the source's prior for its
 chance. After every pass, each judged guess (its parent accepted) counts as a success or a failure
-for its key, and
-weighs on all of its source's priors, so the estimates follow what verification accepts in this generation. The method's own
+for its key, so the estimates follow what verification accepts in this generation. The method's own
 tree (its size option) is the candidate set and the upper bound: `--fixed-size` sends it whole, as
 the papers do.
 
@@ -69,46 +68,23 @@ class Cut:
 class AcceptanceEstimates:
     """P(a guess is accepted | its parent was), per evidence key: the mean of a Beta posterior whose
     prior is the source's own estimate, worth PRIOR_WEIGHT observations, updated with every judged
-    guess of the generation.
-
-    The priors were measured on held-out prompts of every kind, so on a given prompt a source's guesses
-    may all do better or all do worse than they say (Lookahead's trie on a chat answer was accepted 10
-    times where its priors expected 24). Each key would learn that on its own only after some ten
-    verdicts of its own, and a source has many keys. So each source's priors are first scaled by what
-    its recent judged guesses say of them all: its accepted guesses over the sum of their priors (each
-    count shrunk towards 1 by SOURCE_WEIGHT pseudo-verdicts), the empirical-Bayes step of sharing one
-    source's evidence across its keys. Recent: both sums fade by SOURCE_MEMORY per verdict (about the
-    last 20 count), because an answer changes phase (a preamble the prompt cannot predict, then a
-    passage it copies) and the scale must follow it within a few passes."""
+    guess of the generation."""
 
     PRIOR_WEIGHT = 10.0
-    SOURCE_WEIGHT = 5.0
-    SOURCE_MEMORY = 0.95
 
     def __init__(self):
         self.accepted: Counter = Counter()
         self.judged: Counter = Counter()
-        self.source_accepted: Counter = Counter()  # per source (a key's first element), fading: accepted guesses
-        self.source_expected: Counter = Counter()  # and the sum of the priors of all its judged guesses
 
     def probability(self, key: Key, prior: float) -> float:
-        prior = min(1.0, prior * self.calibration(key[0]))
         return (self.accepted[key] + self.PRIOR_WEIGHT * prior) / (self.judged[key] + self.PRIOR_WEIGHT)
-
-    def calibration(self, source) -> float:
-        """How the source's guesses fare against its priors in this generation: 1 before any verdict."""
-        return ((self.source_accepted[source] + self.SOURCE_WEIGHT)
-                / (self.source_expected[source] + self.SOURCE_WEIGHT))
 
     def of_node(self, evidence: Sequence[Evidence]) -> float:
         """A guess's estimate: the most confident of the sources that guessed it (0 with none)."""
         return max((self.probability(key, prior) for key, prior in evidence), default=0.0)
 
-    def record(self, key: Key, prior: float, accepted: bool) -> None:
+    def record(self, key: Key, accepted: bool) -> None:
         self.judged[key] += 1
-        source = key[0]
-        self.source_expected[source] = self.SOURCE_MEMORY * self.source_expected[source] + prior
-        self.source_accepted[source] = self.SOURCE_MEMORY * self.source_accepted[source] + accepted
         if accepted:
             self.accepted[key] += 1
 
@@ -241,8 +217,8 @@ class Costs:
             self.probing = False
         for node, outcome in enumerate(done.outcomes()):
             if node and outcome != "unreached":
-                for key, prior in done.tree.evidence[node]:
-                    self.estimates.record(key, prior, outcome == "accepted")
+                for key, _ in done.tree.evidence[node]:
+                    self.estimates.record(key, outcome == "accepted")
 
     def draft_length(self, step_cost: float, most: int, prior: float) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import AcceptanceEstimates, CostAware, Costs, best_draft_length, best_subtree, reach
+from cost_aware import CostAware, Costs, best_draft_length, best_subtree, reach
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
@@ -183,22 +183,6 @@ def test_estimates_converge_to_the_acceptance_rate(rate):
     estimates = drafter.costs.estimates
     assert estimates.judged[("scripted",)] > 300
     assert estimates.probability(("scripted",), 0.05) == pytest.approx(rate, abs=0.06)
-
-
-def test_a_source_whose_guesses_fail_lowers_the_priors_of_keys_it_has_not_tried():
-    """Verdicts on some of a source's keys move its other keys' estimates too, before any verdict of
-    their own (and another source's not at all); a source doing as its priors said keeps them."""
-    estimates = AcceptanceEstimates()
-    for _ in range(20):
-        estimates.record(("trie", 1), 0.6, accepted=False)
-        estimates.record(("ngram", 1), 0.5, accepted=_ % 2 == 0)
-    assert estimates.probability(("trie", 2), 0.6) < 0.6 / 2
-    assert estimates.probability(("ngram", 2), 0.4) == pytest.approx(0.4, rel=0.05)
-    assert estimates.probability(("other", 1), 0.6) == 0.6
-    for _ in range(40):
-        estimates.record(("lucky", 1), 0.2, accepted=True)
-    assert 0.2 < estimates.probability(("lucky", 2), 0.2) <= 1.0
-    assert estimates.probability(("lucky", 3), 0.9) == 1.0  # never past certainty
 
 
 def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
