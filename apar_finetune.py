@@ -51,9 +51,9 @@ Cost of a round on a 2-core CPU (measured; docs/results.md has the commands):
 - the model's own answers: 25 minutes for the 959 list-style prompts of the 3000, greedy and sampled,
   384 tokens, 32 rows (`--list-prompts-only --answer-batch 32`: 300-319 tokens/s); about 47 minutes
   for 600 prompts with static batches (greedy 19, sampled 28: every batch ran until its longest
-  answer ended, and 70% of greedy answers loop to the 384-token limit). Now a row takes the next prompt as soon as its answer ends (self_distill.answer_stream) and
-  an answer stops once it loops (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy,
-  211 s before, 160 s with the rows refilled, 124 s stopped at the loop too, the same answers;
+  answer ended, and 70% of greedy answers loop to the 384-token limit). Now a row takes the next
+  prompt as soon as its answer ends (self_distill.answer_stream) and an answer stops once it loops
+  (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy, 211 s before, 160 s with the rows refilled, 124 s stopped at the loop too, the same answers;
   ShareGPT's replies: seconds (they are read, not generated);
 - training: a packed sequence's attention mask is dense, so attention grows with the square of its
   length; 512 tokens per step train 2.9x more tokens per second than 2048 (212 vs 73). Examples are
