@@ -53,8 +53,9 @@ Cost of a round on a 2-core CPU (measured; docs/results.md has the commands):
   for 600 prompts with static batches (greedy 19, sampled 28: every batch ran until its longest
   answer ended, and 70% of greedy answers loop to the 384-token limit). Now a row takes the next
   prompt as soon as its answer ends (self_distill.answer_stream) and an answer stops once it loops
-  (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy, 211 s before, 160 s with the rows refilled, 124 s stopped at the loop too, the same answers;
-  ShareGPT's replies: seconds (they are read, not generated);
+  (train_prompt.apar_answer_stop): 64 prompts at 512 tokens, greedy, 211 s before, 160 s with the
+  rows refilled, 124 s stopped at the loop too, the same answers; ShareGPT's replies: seconds (they
+  are read, not generated);
 - training: a packed sequence's attention mask is dense, so attention grows with the square of its
   length; 512 tokens per step train 2.9x more tokens per second than 2048 (212 vs 73). Examples are
   160-490 tokens (prompt, threads and control tokens, 10th-90th percentile), so 512 packs one or two.
