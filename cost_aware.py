@@ -42,9 +42,11 @@ time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens 
 for the next pass, as this generation's outcomes estimate them, pay for their inputs in this one
 (`extra_inputs_pay`). After PROBE_EVERY passes in a row
 whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
-misses can recover (a probe that finds nothing doubles the wait for the next).
+misses can recover (a probe that finds nothing doubles the wait for the next); a draft model's probe,
+which costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
 """
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -146,6 +148,22 @@ def best_draft_length(alpha: float, step_cost: float, latency: Callable[[int], f
     return max(range(most + 1), key=lambda gamma: (rate(gamma), -gamma))
 
 
+# a draft's probe costs a draft step and a larger pass, whatever comes of it: sent only while the
+# draft's rate could still be high enough to pay, at this confidence (draft_could_pay)
+PROBE_CONFIDENCE = 0.95
+
+
+def draft_could_pay(alpha: float, verdicts: float, step_cost: float, latency: Callable[[int], float]) -> bool:
+    """Whether a draft whose estimated acceptance rate is `alpha`, from `verdicts` verdicts (its
+    prior's weight included), could draft a guess that pays (best_draft_length > 0) at the highest
+    rate the evidence allows with PROBE_CONFIDENCE: Hoeffding's bound, alpha + sqrt(ln(1 / (1 -
+    confidence)) / (2 verdicts)). The built-in self-draft (4.5% of its guesses right, a step 0.32 of
+    a pass) cannot where a second input costs a quarter of a pass (this CPU), so it never probes
+    there; where inputs are free (a GPU) it probes until about 15 more misses say it cannot."""
+    optimistic = min(1.0, alpha + math.sqrt(math.log(1 / (1 - PROBE_CONFIDENCE)) / (2 * verdicts)))
+    return best_draft_length(optimistic, step_cost, latency, 1) > 0
+
+
 class Costs:
     """What cost-aware drafting knows during one generation: L(n), the acceptance estimates learned
     from this generation's verdicts, the drafter's own time per pass, and when to probe."""
@@ -223,7 +241,8 @@ class Costs:
     def draft_length(self, step_cost: float, most: int, prior: float) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
         (best_draft_length), from its acceptance rate so far (all its guesses pooled; `prior`, the
-        draft's rate before any verdict, worth PRIOR_WEIGHT guesses); one on a probe."""
+        draft's rate before any verdict, worth PRIOR_WEIGHT guesses); one on a probe, if a rate as
+        high as the evidence plausibly allows would pay for it (draft_could_pay)."""
         if not self.latency.measured_enough(1):
             return 0
         accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
@@ -231,7 +250,9 @@ class Costs:
         alpha = (accepted + prior * weight) / (judged + weight)
         gamma = best_draft_length(alpha, step_cost, self.latency, most)
         self.idle = self.idle + 1 if gamma == 0 else 0
-        return 1 if self.idle > self.probe_after else gamma  # (cut() resets the count when the guess is sent)
+        if self.idle > self.probe_after and draft_could_pay(alpha, judged + weight, step_cost, self.latency):
+            return 1  # (cut() resets the count when the guess is sent)
+        return gamma
 
     def worth_running(self, shape: Tree, seconds: Sequence[float]) -> bool:
         """Whether a guesser that costs its time whatever is sent (`seconds`: its runs so far) should

@@ -75,7 +75,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + room + drafter.max_extra_inputs)
     meter, counts = Meter(model.device), Counts()
     answer = Answer(max_new_tokens, room, eos_ids, on_tokens)
-    drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + room))
+    drafter.begin(Request(prompt_ids, sampling, generator, max_length=len(prompt_ids) + room, cache=cache))
     with meter.time("prefill"):
         done = prefill(model, cache, drafter.prefill_tree(prompt_ids), sampling, generator, answer)
     counts.add_pass()

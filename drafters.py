@@ -14,7 +14,8 @@ chosen token; decode.py scores it in one forward pass, verifies it and tells the
   prompt and updated with every accepted token (section 3.1; A.8 "Runtime Update"), drafting a chain
   of K tokens (Algorithm 1, lines 11-16). Defaults N=5, K=7 (section 4.4).
 - `DraftModelDrafter`: speculative decoding (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
-  Algorithm 2): a small draft model with its own KV cache samples a chain of gamma tokens.
+  Algorithm 2): a small draft model samples a chain of gamma tokens; the built-in one, the model's
+  own first layers, reads their K/V from the loop's cache (LayerSkip, Elhoushi et al. 2024, section 4.2).
 - `TrieDrafter`: Lookahead (Zhao et al. 2023, "Lookahead: An Inference Acceleration Framework for
   Large Language Model with Lossless Generation Accuracy"): a trie of token sequences from the prompt
   and from generated output (section 4.3.1), queried with multi-stage retrieval (section 4.3.2) for a
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from errors import UserError
-from kv_cache import KVCache
+from kv_cache import FirstLayers, KVCache
 from sampling import Sampling, choose_token_and_probs
 from tree import Evidence, Tree, Verdict
 
@@ -43,6 +44,7 @@ class Request:
     sampling: Sampling = Sampling()  # how the target chooses tokens (a draft model samples alike)
     generator: torch.Generator | None = None  # the generation's random numbers
     max_length: int | None = None  # prompt + the most new tokens (None: the model's context)
+    cache: KVCache | None = None  # the loop's cache, holding the model's K/V of all the history but the root
 
 
 @dataclass
@@ -223,9 +225,14 @@ class DraftModelDrafter(Drafter):
     its own distribution q (shaped by the same temperature / top-k / top-p as the target's p, and
     handed to the verifier with the tree), or its argmax when decoding greedily.
 
-    The draft keeps its own KV cache. After verification it keeps the K/V of the longest prefix of
-    its guesses that was accepted and reads the rest (the bonus token, or the last guess it never
-    read) at the start of the next proposal: rollback is just moving the cache's length back.
+    A separate draft model keeps its own KV cache. After verification it keeps the K/V of the longest
+    prefix of its guesses that was accepted and reads the rest (the bonus token, or the last guess it
+    never read) at the start of the next proposal: rollback is just moving the cache's length back.
+    Over passes that guess nothing it reads nothing, and catches up on them at its next proposal.
+
+    A draft made of the model's own first layers (model.first_layers) keeps no cache: the loop's
+    holds those layers' K/V of the whole history already (kv_cache.FirstLayers), so each proposal
+    reads only the root and its own guesses, and a pass that guesses nothing costs it nothing.
 
     With `costs` (cost-aware drafting, cost_aware.Costs) every guess costs a draft step before it can
     be cut, so each proposal first asks how many guesses pay (Costs.draft_length).
@@ -254,12 +261,17 @@ class DraftModelDrafter(Drafter):
     def begin(self, request):
         super().begin(request)
         self.sampling, self.generator = request.sampling, request.generator
-        length = request.max_length or self.model.config.max_positions
-        self.cache = KVCache.for_model(self.model, capacity=length + self.gamma)
+        if self.model.early_exit and request.cache is not None:
+            self.cache = FirstLayers(request.cache, self.model.config.num_layers)
+        else:
+            length = request.max_length or self.model.config.max_positions
+            self.cache = KVCache.for_model(self.model, capacity=length + self.gamma)
         self.read_guesses = []  # guesses the draft read while drafting: their K/V follow history
 
     def after_pass(self, done):
-        # the cache holds history, then read_guesses; keep what the accepted tokens agree with, but
+        if isinstance(self.cache, FirstLayers):  # the pass wrote over its guesses' slots: propose() follows the loop
+            return super().after_pass(done)
+        # its own cache holds history, then read_guesses; keep what the accepted tokens agree with, but
         # never the last token: the next proposal needs the logits after it, so it reads it again
         tokens, agreed = done.emitted, 0
         while agreed < min(len(tokens) - 1, len(self.read_guesses)) and tokens[agreed] == self.read_guesses[agreed]:
@@ -273,7 +285,9 @@ class DraftModelDrafter(Drafter):
         gamma = self.gamma if self.costs is None else self.costs.draft_length(self.step_cost, self.gamma, self.prior_alpha)
         if gamma == 0:
             return Tree.chain(self.history[-1], [])
-        unread = self.history[self.cache.length:]  # at least the root; the whole prompt at first
+        if isinstance(self.cache, FirstLayers):
+            self.cache.follow()  # the history but the root, as the loop's pass kept it
+        unread = self.history[self.cache.length:]  # at least the root; with its own cache, the whole prompt at first
         guesses, guess_probs, evidence = [], [], []
         for _ in range(gamma):
             logits = self.model.logits_after(unread, self.cache)

@@ -11,8 +11,11 @@ decoding loop either:
   the accepted path's positions were already cache_len + depth, exactly where they end up.
 
 APAR's cache (apar.py) hands out slots from a pool instead of claiming the next ones; `FrozenPrefix`
-stands in for a cache when training reads a fixed prefix's K/V.
+stands in for a cache when training reads a fixed prefix's K/V; `FirstLayers` is a self-draft's window
+onto the first layers of the decoding loop's cache.
 """
+
+import weakref
 
 import torch
 
@@ -74,6 +77,39 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes allocated for keys and values (the whole capacity)."""
         return self.keys.nbytes + self.values.nbytes
+
+
+class FirstLayers(KVCache):
+    """The first `count` layers of the decoding loop's `cache`, read and written in place: the cache of
+    a draft made of the model's own first layers (model.first_layers). The model's passes already
+    wrote those layers' K/V for every token the draft would read (same weights, same tokens, same
+    positions), so the draft reads none of the history itself: self-drafting and verifying share one
+    cache, as in LayerSkip (Elhoushi et al. 2024, section 4.2, "Reusing the Cache").
+
+    Its length is its own: `follow()` sets it to the loop's before the draft reads the root and its own
+    guesses, whose K/V go to the slots after the history, the ones the model's next pass claims and
+    overwrites. The loop's cache may move its K/V to another buffer (cuda_graphs.py adopts it), so the
+    layers are looked up at every use, never held; and the cache itself is held weakly, since a drafter
+    outlives its generation and the cache should not (a graphed model's buffer serves one live cache)."""
+
+    def __init__(self, cache: KVCache, count: int):
+        if not 1 <= count <= cache.keys.shape[0]:
+            raise ValueError(f"a cache of {cache.keys.shape[0]} layers has no first {count}")
+        self.loop, self.count = weakref.ref(cache), count
+        self.capacity = cache.capacity
+        self.length = cache.length
+
+    @property
+    def keys(self):  # [count, B, K, capacity, E]: a view, writes go to the loop's cache
+        return self.loop().keys[:self.count]
+
+    @property
+    def values(self):
+        return self.loop().values[:self.count]
+
+    def follow(self) -> None:
+        """Forget the draft's guesses: what attention reads is the loop's history again."""
+        self.length = self.loop().length
 
 
 class FrozenPrefix:

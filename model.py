@@ -293,6 +293,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.fingerprint: dict | None = None  # the checkpoint's, set by build_model (artifacts.py checks it)
         self.folder: Path | None = None  # where load_checkpoint found it
+        self.early_exit = False  # made by first_layers: its layers are another model's first ones
 
     @property
     def dtype(self):
@@ -326,7 +327,9 @@ class Llama(nn.Module):
         """A draft model for self-speculative decoding: this model's embedding, its first `count`
         layers, then its final norm and LM head (the same tensors, nothing copied). An early exit
         in the spirit of Draft & Verify (Zhang et al. 2024) and LayerSkip (Elhoushi et al. 2024),
-        without their training: the shallow hidden state is read by a head trained on the last."""
+        without their training: the shallow hidden state is read by a head trained on the last. Its
+        layers' K/V of a text are the model's own, so it can read them from the model's cache
+        (kv_cache.FirstLayers)."""
         if not 1 <= count < self.config.num_layers:
             raise UserError(f"a draft needs between 1 and {self.config.num_layers - 1} of the model's "
                             f"{self.config.num_layers} layers, got {count}")
@@ -335,6 +338,7 @@ class Llama(nn.Module):
         draft.embed, draft.norm, draft.lm_head = self.embed, self.norm, self.lm_head
         draft.layers = nn.ModuleList(self.layers[:count])
         draft.inv_freq = self.inv_freq
+        draft.early_exit = True
         return draft.eval()
 
     def logits_after(self, tokens: list[int], cache) -> torch.Tensor:

@@ -137,8 +137,8 @@ def generate_with_a_greedy_prefill(*args, **kwargs):  # the first token is the a
 
 def generate_telling_the_drafter_the_new_tokens_only(*args, **kwargs):  # max_length without the prompt
     request = decode.Request
-    with mock.patch.object(decode, "Request", lambda prompt_ids, *rest, max_length: request(
-            prompt_ids, *rest, max_length=max_length - len(prompt_ids))):
+    with mock.patch.object(decode, "Request", lambda prompt_ids, *rest, max_length, **named: request(
+            prompt_ids, *rest, max_length=max_length - len(prompt_ids), **named)):
         return decode.generate(*args, **kwargs)
 
 

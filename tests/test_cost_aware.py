@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import CostAware, Costs, best_draft_length, best_subtree, reach
+from cost_aware import AcceptanceEstimates, CostAware, Costs, best_draft_length, best_subtree, draft_could_pay, reach
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
@@ -113,13 +113,39 @@ def test_the_draft_length_follows_leviathans_optimum():
 
 def test_a_draft_known_to_miss_drafts_nothing_before_its_first_probe():
     """The draft's prior acceptance decides its first passes: at 1/2 (an unknown draft) it drafts
-    from the start, at a self-draft's measured few percent it waits for its probe, and each probe
-    drafts one guess (this CPU's L(n): a second input costs a fifth of a pass)."""
+    from the start, at a few percent it waits for its probe, and each probe drafts one guess (a
+    second input and a draft step each cost a fifth of a pass: a rate of 0.4 would pay, which ten
+    verdicts' worth of prior cannot rule out)."""
     cpu = Latency({1: 1.0, 2: 1.2, 8: 1.6})
     unknown, known = Costs(cpu), Costs(cpu)
     assert unknown.draft_length(0.2, 4, prior=0.5) > 0
     lengths = [known.draft_length(0.2, 4, prior=0.03) for _ in range(Costs.PROBE_EVERY + 1)]
     assert lengths == [0] * Costs.PROBE_EVERY + [1]
+
+
+def test_a_draft_probes_only_while_its_rate_could_pay():
+    """A probe costs a draft step and a larger pass: a draft whose rate cannot plausibly pay (the
+    self-draft's few percent, where a second input costs a quarter of a pass) never probes; where
+    inputs are free it probes, and stops once its misses make even an optimistic rate too low."""
+    cpu, free = Latency({1: 1.0, 2: 1.26, 8: 1.6}), Latency.flat()
+    self_draft = DraftModelDrafter.SELF_DRAFT_ALPHA
+    assert not draft_could_pay(self_draft, AcceptanceEstimates.PRIOR_WEIGHT, 0.32, cpu)
+    assert draft_could_pay(self_draft, AcceptanceEstimates.PRIOR_WEIGHT, 0.32, free)
+    assert not draft_could_pay(self_draft, 100, 0.32, free)
+    costs = Costs(cpu)
+    assert [costs.draft_length(0.32, 4, prior=self_draft) for _ in range(4 * Costs.PROBE_EVERY)] == [0] * 4 * Costs.PROBE_EVERY
+    costs = Costs(free)
+    lengths = []
+    for _ in range(40):  # every probe misses
+        lengths.append(costs.draft_length(0.32, 4, prior=self_draft))
+        if lengths[-1]:
+            costs.idle = 0
+            costs.estimates.record(("draft",), False)
+    assert lengths[Costs.PROBE_EVERY] == 1  # (the first probe, after PROBE_EVERY idle passes)
+    probes_while_free = sum(lengths)
+    costs.estimates.judged[("draft",)] += 90  # 100 verdicts, all misses
+    assert all(costs.draft_length(0.32, 4, prior=self_draft) == 0 for _ in range(4 * Costs.PROBE_EVERY))
+    assert probes_while_free >= 2
 
 
 def test_the_self_draft_starts_from_its_measured_acceptance(default_model, default_tokenizer):

@@ -174,6 +174,37 @@ def test_greedy_speculative_equals_vanilla(seed, prompt, max_new_tokens, eos_pic
     assert gen.stop_reason == vanilla.stop_reason
 
 
+@given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, 15), min_size=1, max_size=12),
+       max_new_tokens=st.integers(2, 30), gamma=st.integers(1, 5), draft_layers=st.integers(1, 2),
+       temperature=st.sampled_from([0.0, 0.9]))
+def test_a_self_draft_reading_the_loops_cache_guesses_as_with_its_own(seed, prompt, max_new_tokens, gamma,
+                                                                      draft_layers, temperature):
+    """The model's first layers as a draft read their K/V of the history from the loop's cache: every
+    proposal is the one the same draft makes keeping a cache of its own, and it reads only the root
+    and its own guesses (gamma tokens a proposal), never the history again."""
+    model = small_model(seed, layers=3)
+    sampling = Sampling(temperature=temperature)
+    proposals, read = {}, {}
+    for shares in (True, False):
+        draft = model.first_layers(draft_layers)
+        draft.early_exit = shares  # (an early exit that is not told so keeps a cache of its own)
+        tokens_read = []
+        logits_after = draft.logits_after
+        draft.logits_after = lambda tokens, cache: tokens_read.append(len(tokens)) or logits_after(tokens, cache)
+        trees = []
+        generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set(), sampling=sampling,
+                 drafter=DraftModelDrafter(draft, gamma), generator=torch.Generator().manual_seed(seed),
+                 on_pass=lambda done: trees.append((done.tree.tokens, done.tree.draft_probs)))
+        proposals[shares], read[shares] = trees, tokens_read
+    assert [tokens for tokens, _ in proposals[True]] == [tokens for tokens, _ in proposals[False]]
+    for (_, shared_q), (_, own_q) in zip(proposals[True], proposals[False]):
+        assert (shared_q is None) == (own_q is None)
+        if shared_q is not None:
+            torch.testing.assert_close(shared_q, own_q)
+    assert sum(read[True]) == gamma * len(proposals[True])  # the root and every guess but the last
+    assert sum(read[False]) >= len(prompt) + sum(read[True])
+
+
 def test_a_draft_equal_to_the_model_is_always_accepted():
     """A draft identical to the target: every guess is right, greedy and sampled alike."""
     model = small_model(0, layers=2)
