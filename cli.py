@@ -175,6 +175,7 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "draft_tokens_proposed": gen.counts.guesses_proposed,
         "draft_tokens_accepted": gen.counts.guesses_accepted,
         "draft_rejections": gen.counts.rejections,
+        "cost_aware": METHODS[args.method].guesses and not args.fixed_size,
         "prefill_seconds": round(gen.prefill_seconds, 4),
         "draft_seconds": round(gen.draft_seconds, 4),
         "forward_seconds": round(gen.forward_seconds, 4),
@@ -195,8 +196,10 @@ def summary_line(stats: dict) -> str:
         # per pass is the speedup's measure; per proposed guess is low by design for a tree, where
         # at most one branch of many can be accepted
         guesses = (f", accepted guesses {accepted / verifying_passes:.2f} per pass ({accepted} of {proposed} "
-                   f"proposed = {accepted / max(proposed, 1):.1%} per guessed token)"
-                   f", drafting {stats['draft_seconds']:.2f}s vs forward {stats['forward_seconds']:.2f}s")
+                   f"proposed = {accepted / max(proposed, 1):.1%} per guessed token"
+                   + ("; none paid for its share of a pass here, by cost-aware drafting's estimates: --fixed-size "
+                      "sends them all" if proposed == 0 and stats["cost_aware"] else "")
+                   + f"), drafting {stats['draft_seconds']:.2f}s vs forward {stats['forward_seconds']:.2f}s")
     return (f"[{stats['method']}: {stats['new_tokens']} new tokens ({stats['stop_reason']}), "
             f"{stats['forward_passes']} forward passes, {stats['tokens_per_pass']:.2f} tokens/pass{guesses}, "
             f"{stats['tokens_per_second']:.1f} tokens/s, {stats['decode_seconds']:.2f}s]")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from cli import main, say_if_empty
+from cli import main, say_if_empty, summary_line
 from helpers import ROOT, tiny_artifacts, write_checkpoint
 from tokenizer import Tokenizer
 
@@ -69,6 +69,17 @@ def test_streams_text_and_prints_a_summary(capsys, tiny_folder):
     code, out, err = run_cli(capsys, "--model", str(tiny_folder), "--raw", "--prompt", "the",
                              "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "1")
     assert code == 0 and "tokens/pass" in err
+
+
+def test_the_summary_says_why_a_guesser_sent_nothing():
+    """A guessing method whose every guess cost-aware drafting cut reads like vanilla: the summary
+    says why, and how to send them anyway; not when it sent some, nor with --fixed-size."""
+    stats = dict(method="speculative", new_tokens=9, stop_reason="eos", forward_passes=10, tokens_per_pass=0.9,
+                 draft_tokens_accepted=0, draft_tokens_proposed=0, draft_seconds=0.0, forward_seconds=0.1,
+                 tokens_per_second=90.0, decode_seconds=0.1, cost_aware=True)
+    assert "--fixed-size" in summary_line(stats)
+    assert "--fixed-size" not in summary_line(stats | dict(cost_aware=False))
+    assert "--fixed-size" not in summary_line(stats | dict(draft_tokens_proposed=3))
 
 
 def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
