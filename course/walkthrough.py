@@ -131,7 +131,7 @@ def walk(method_name: str, wanted=accepts_a_guess, max_passes: int = 24, **optio
     """Decode with the method until a pass is `wanted`; print that pass stage by stage."""
     drafter = build_drafter(METHODS[method_name], default_options(**options), model, tokenizer)
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + 2 * max_passes * (1 + drafter.max_extra_inputs))
-    drafter.begin(Request(prompt_ids))
+    drafter.begin(Request(prompt_ids, cache=cache))
     done = prefill(model, cache, drafter.prefill_tree(prompt_ids), Sampling(), None, Answer(10**6, 10**6, set()))
     drafter.after_pass(done)
     print(f"\n=============== {method_name}: the prefill chose {text(done.emitted[0])}; {cache.length} tokens cached")
@@ -192,7 +192,7 @@ def sampling_step(seed: int = 0) -> None:
     sampling, generator = Sampling(temperature=0.8), torch.Generator().manual_seed(seed)
     drafter = build_drafter(METHODS["speculative"], default_options(fixed_size=True), model, tokenizer)
     cache = KVCache.for_model(model, capacity=len(prompt_ids) + 1 + drafter.max_extra_inputs)
-    drafter.begin(Request(prompt_ids, sampling, generator))
+    drafter.begin(Request(prompt_ids, sampling, generator, cache=cache))
     done = prefill(model, cache, drafter.prefill_tree(prompt_ids), sampling, generator, Answer(10**6, 10**6, set()))
     drafter.after_pass(done)
     tree = drafter.propose()  # a chain, each guess sampled from q (tree.draft_probs)
