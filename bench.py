@@ -21,7 +21,11 @@ Lookahead drafter serves the whole run, so its trie warms up from prompt to prom
 server (and in `decode.py --prompt-file`). With --temperature > 0 every method samples (exactly, so
 outputs differ from vanilla's only by chance), each prompt with the same seed for every method.
 `--methods vanilla-again ...` times vanilla a second time among the methods: its row's distance
-from 1.00x is the noise of this run, the yardstick for a method's few percent either way.
+from 1.00x is the noise of this run, the yardstick for a method's few percent either way. The last
+column takes the noise out: the decode phase *modelled*, each pass priced at this run's L(n) for its
+number of inputs, plus the drafter's own measured time, over vanilla's priced alike. It shows what a
+method's choices (how many passes, of which sizes) are worth on this machine; vanilla-again is 1.00x
+there by construction, and a method under it loses by its own decisions, not by a busy machine.
 
 `speculative` runs the draft-model method on the same prompts for each --gammas value and prints
 the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
@@ -133,13 +137,18 @@ class Run:
     decode_seconds: float | None  # after the prefill, which yields the first token (None: not known)
     same_as_vanilla: bool = False
     token_ids: list[int] | None = None  # (ours and transformers')
+    pass_inputs: Counter | None = None  # passes after the prefill by their number of inputs (ours only)
+    draft_seconds: float = 0.0  # the drafter's own time (ours)
 
 
 def best_of(runs: list[Run]) -> Run:
-    """The fastest of a prompt's runs, end to end and in the decode phase (their outputs agree)."""
+    """The fastest of a prompt's runs, end to end and in the decode phase (their outputs agree), with
+    the passes of the one fastest in the decode phase."""
     decode = [run.decode_seconds for run in runs if run.decode_seconds is not None]
+    fastest = min(runs, key=lambda run: run.decode_seconds if run.decode_seconds is not None else run.seconds)
     return Run(runs[0].new_tokens, runs[0].forward_passes, min(run.seconds for run in runs),
-               min(decode) if len(decode) == len(runs) else None, all(run.same_as_vanilla for run in runs))
+               min(decode) if len(decode) == len(runs) else None, all(run.same_as_vanilla for run in runs),
+               pass_inputs=fastest.pass_inputs, draft_seconds=fastest.draft_seconds)
 
 
 @dataclass
@@ -151,6 +160,8 @@ class Tally:
     decode_seconds: float | None = 0.0  # None once a prompt's decode phase is unknown
     same_as_vanilla: int = 0
     prompts: int = 0
+    pass_inputs: Counter | None = field(default_factory=Counter)  # None once a prompt's passes are unknown
+    draft_seconds: float = 0.0
 
     def add(self, token_ids, forward_passes, seconds, vanilla_ids):
         self.add_run(Run(len(token_ids), forward_passes, seconds, None, token_ids == vanilla_ids))
@@ -163,6 +174,16 @@ class Tally:
         self.decode_seconds = self.decode_seconds + run.decode_seconds if known else None
         self.same_as_vanilla += run.same_as_vanilla
         self.prompts += 1
+        self.pass_inputs = self.pass_inputs + run.pass_inputs if (
+            self.pass_inputs is not None and run.pass_inputs is not None) else None
+        self.draft_seconds += run.draft_seconds
+
+    def modelled_decode_seconds(self, latency) -> float | None:
+        """The decode phase with each pass priced at `latency` (L(n), seconds) for its number of inputs,
+        plus the drafter's own time: what these passes cost on this machine, without its noise."""
+        if self.pass_inputs is None:
+            return None
+        return sum(count * latency(inputs) for inputs, count in self.pass_inputs.items()) + self.draft_seconds
 
     @property
     def decode_tokens_per_second(self) -> float | None:
@@ -180,17 +201,19 @@ def variant_drafter(name, model, tokenizer, args, rows=None, latency=None):
     return build_drafter(METHODS[method], options, model, tokenizer, rows, latency)
 
 
-def generation(model, prompt_ids, drafter, args, eos_ids, seed=0):
+def generation(model, prompt_ids, drafter, args, eos_ids, seed=0, on_pass=None):
     """One prompt with `drafter`, sampling at --temperature with a fixed seed (greedy at 0)."""
     return generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=eos_ids, drafter=drafter,
                     sampling=Sampling(temperature=args.temperature),
-                    generator=torch.Generator(model.device).manual_seed(seed))
+                    generator=torch.Generator(model.device).manual_seed(seed), on_pass=on_pass)
 
 
 def timed_run(model, prompt_ids, drafter, args, eos_ids, seed, vanilla_ids=None) -> Run:
-    gen = generation(model, prompt_ids, drafter, args, eos_ids, seed)
+    pass_inputs = Counter()
+    gen = generation(model, prompt_ids, drafter, args, eos_ids, seed,
+                     on_pass=lambda done: pass_inputs.update([done.tree.input_count]))
     return Run(len(gen.token_ids), gen.counts.forward_passes, gen.decode_seconds, gen.decode_seconds - gen.prefill_seconds,
-               vanilla_ids is None or gen.token_ids == vanilla_ids, gen.token_ids)
+               vanilla_ids is None or gen.token_ids == vanilla_ids, gen.token_ids, pass_inputs, gen.draft_seconds)
 
 
 class PromptLookupPeer:
@@ -313,7 +336,7 @@ def bench_methods(args, tokenizer, report):
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
-            report_category(report, dtype_name, category, tallies, args)
+            report_category(report, dtype_name, category, tallies, args, latency)
             if "auto" in tallies:
                 vanilla_rate = tallies["vanilla"].decode_tokens_per_second
                 hindsight.append([category, tallies["auto"].decode_tokens_per_second / vanilla_rate,
@@ -342,7 +365,9 @@ def warm_up(model, peer, tokenizer):
         peer.run(ids, warm, tokenizer.eos_ids, [])
 
 
-def report_category(report, dtype_name, category, tallies, args):
+def report_category(report, dtype_name, category, tallies, args, latency):
+    """The category's table; the modelled speedups price every method's passes at `latency` (this run's
+    L(n) as it stands)."""
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
     rows = []
@@ -351,7 +376,8 @@ def report_category(report, dtype_name, category, tallies, args):
         decode = t.decode_tokens_per_second
         rows.append([name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, own),
                      decode, decode / own.decode_tokens_per_second if decode else None,
-                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None])
+                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None,
+                     modelled_speedup(t, vanilla, latency)])
     report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}, "
                  f"best of {args.runs} runs" + ("; llama.cpp's speedups are over its own vanilla" if (
                      LLAMA_CPP[0] in tallies) else ""),
@@ -359,9 +385,22 @@ def report_category(report, dtype_name, category, tallies, args):
                   Column("tokens_per_second", "tokens/s", "{:.1f}"), Column("speedup", "speedup", "{:.2f}x"),
                   Column("decode_tokens_per_second", "decode tokens/s", "{:.1f}"),
                   Column("decode_speedup", "decode speedup", "{:.2f}x"),
-                  Column("same_as_vanilla", "output = vanilla")], rows,
+                  Column("same_as_vanilla", "output = vanilla"),
+                  Column("modelled_speedup", "decode speedup modelled from L(n)", "{:.2f}x")], rows,
                  kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
                  new_tokens=args.new_tokens, temperature=args.temperature, runs=args.runs)
+
+
+def modelled_speedup(t: Tally, vanilla: Tally, latency) -> float | None:
+    """Decode tokens per modelled second (Tally.modelled_decode_seconds) over vanilla's; None where a
+    tally's passes are unknown (peers) or there is nothing to decode."""
+    rates = []
+    for tally in (t, vanilla):
+        seconds = tally.modelled_decode_seconds(latency)
+        if not seconds or tally.new_tokens <= tally.prompts:
+            return None
+        rates.append((tally.new_tokens - tally.prompts) / seconds)
+    return rates[0] / rates[1]
 
 
 def speedup(t: Tally, vanilla: Tally) -> float:

@@ -29,8 +29,9 @@ FILLS = {"accepted": "#d8f0d8", "rejected": "#fadcdc", "unreached": "#f4f4f4", "
 
 def speedup_figure(tables: list[dict], machine: str):
     """Speedup over vanilla per category (x) and method (bars), tau written on each bar: in the decode
-    phase where the run measured it (the prefill left out), else over the whole generation. A peer's
-    own vanilla (llama.cpp's) is its baseline, not a bar."""
+    phase where the run measured it (the prefill left out), else over the whole generation; a black line
+    across a bar at its speedup modelled from L(n) (bench.py: the run's noise taken out). A peer's own
+    vanilla (llama.cpp's) is its baseline, not a bar."""
     categories = [t["category"] for t in tables]
     methods = [row[0] for row in tables[0]["rows"] if not row[0].endswith("vanilla")]
     measure = "decode_speedup" if "decode_speedup" in tables[0]["columns"] else "speedup"
@@ -50,6 +51,9 @@ def speedup_figure(tables: list[dict], machine: str):
                    gid=f"bar-{method}-{t['category']}")
             ax.text(x, 0.03, f"τ {values['tau']:.2f}", ha="center", va="bottom", fontsize=tau_size, rotation=90,
                     color="black")  # inside the bar, clear of the vanilla line
+            if values.get("modelled_speedup") is not None and measure == "decode_speedup":
+                ax.plot([x - width * 0.45, x + width * 0.45], [values["modelled_speedup"]] * 2, color="black", lw=1.5,
+                        label="modelled from L(n)" if (m, c) == (0, 0) else None, gid=f"modelled-{method}-{t['category']}")
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.text(-0.48, 1.01, "vanilla", va="bottom", ha="left", fontsize=8)
     ax.set_xticks(range(len(categories)), categories)

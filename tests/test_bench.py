@@ -73,6 +73,8 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
     assert rows["llama.cpp lookup"]["decode_speedup"] == pytest.approx(2.5)
     assert rows["llama.cpp lookup"]["tau"] == pytest.approx(11 / 5)
     assert rows["llama.cpp lookup"]["same_as_vanilla"] == "0/1"  # it printed "ANSWER", not vanilla's text
+    assert rows["llama.cpp lookup"]["modelled_speedup"] is None  # (its passes are its own)
+    assert all(rows[m]["modelled_speedup"] > 0 for m in ["anpd", "auto", bench.HINDSIGHT])
 
 
 def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(tmp_path, monkeypatch, default_model):
@@ -95,6 +97,24 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
     assert rows[bench.VANILLA_AGAIN]["tau"] == rows["vanilla"]["tau"]
     assert rows[bench.VANILLA_AGAIN]["decode_speedup"] > 1.5
     assert rows[bench.HINDSIGHT]["decode_speedup"] == 1.0  # its luck is not a method's
+    # modelled, its passes are vanilla's: the luck is gone (only the drafters' own microseconds differ)
+    assert rows[bench.VANILLA_AGAIN]["modelled_speedup"] == pytest.approx(1.0, rel=0.02)
+    assert rows["vanilla"]["modelled_speedup"] == 1.0
+
+
+def test_the_modelled_speedup_prices_each_pass_at_its_size():
+    """Vanilla: 10 answers' 9 one-input passes; a method: the same 90 tokens in 30 passes of 4 inputs
+    and its drafter's 0.06 s; L(1) = 10 ms, L(4) = 15 ms: 0.9 s against 0.45 + 0.06 s."""
+    latency = {1: 0.010, 4: 0.015}.__getitem__
+    vanilla, method = bench.Tally(), bench.Tally()
+    for _ in range(10):
+        vanilla.add_run(bench.Run(10, 10, 1.0, 1.0, pass_inputs=bench.Counter({1: 9})))
+        method.add_run(bench.Run(10, 4, 1.0, 1.0, True, pass_inputs=bench.Counter({4: 3}), draft_seconds=0.006))
+    assert method.modelled_decode_seconds(latency) == pytest.approx(0.51)
+    assert bench.modelled_speedup(method, vanilla, latency) == pytest.approx(0.9 / 0.51)
+    peer = bench.Tally()
+    peer.add_run(bench.Run(10, 4, 1.0, 1.0))  # a peer's passes are not known
+    assert bench.modelled_speedup(peer, vanilla, latency) is None
 
 
 def test_cuda_graphs_off_a_gpu_and_for_benchmarks_that_do_not_time_passes_are_one_error(capsys, tmp_path):
