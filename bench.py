@@ -22,8 +22,9 @@ server (and in `decode.py --prompt-file`). With --temperature > 0 every method s
 outputs differ from vanilla's only by chance), each prompt with the same seed for every method.
 `--methods vanilla-again ...` times vanilla a second time among the methods: its row's distance
 from 1.00x is the noise of this run, the yardstick for a method's few percent either way. The last
-column takes the noise out: the decode phase *modelled*, each pass priced at this run's L(n) for its
-number of inputs, plus the drafter's own measured time, over vanilla's priced alike. It shows what a
+column takes the noise out: the decode phase *modelled*, each pass priced at the L(n) the run started
+from (its last table) for its number of inputs, plus the drafter's own measured time, over vanilla's
+priced alike. It shows what a
 method's choices (how many passes, of which sizes) are worth on this machine; vanilla-again is 1.00x
 there by construction, and a method under it loses by its own decisions, not by a busy machine.
 
@@ -93,6 +94,7 @@ from cpu_compiled import CompiledModel, require_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
+from latency import Latency
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
                     run_program, writable)
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
@@ -301,6 +303,7 @@ def bench_methods(args, tokenizer, report):
             greedy_float32 and not args.skip_transformers) else None
         latency = machine_latency(model)  # measured (once per machine) before anything is timed
         started_with = {n: latency(n) for n in LATENCY_SIZES}
+        priced = Latency(started_with)  # one fixed L(n) for the modelled speedups of the whole run
         # one drafter per method and run: each sees every prompt once, in order, so Lookahead's trie,
         # which carries over between prompts, is in the same state in every run of a prompt
         drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
@@ -336,7 +339,7 @@ def bench_methods(args, tokenizer, report):
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
-            report_category(report, dtype_name, category, tallies, args, latency)
+            report_category(report, dtype_name, category, tallies, args, priced)
             if "auto" in tallies:
                 vanilla_rate = tallies["vanilla"].decode_tokens_per_second
                 hindsight.append([category, tallies["auto"].decode_tokens_per_second / vanilla_rate,
@@ -366,8 +369,8 @@ def warm_up(model, peer, tokenizer):
 
 
 def report_category(report, dtype_name, category, tallies, args, latency):
-    """The category's table; the modelled speedups price every method's passes at `latency` (this run's
-    L(n) as it stands)."""
+    """The category's table; the modelled speedups price every method's passes at `latency` (the L(n)
+    the run started from: one fixed table, whatever the machine does during the run)."""
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
     rows = []
