@@ -24,9 +24,9 @@ outputs differ from vanilla's only by chance), each prompt with the same seed fo
 from 1.00x is the noise of this run, the yardstick for a method's few percent either way. The last
 column takes the noise out: the decode phase *modelled*, each pass priced at the L(n) the run started
 from (its last table) for its number of inputs, plus the drafter's own measured time, over vanilla's
-priced alike. It shows what a
-method's choices (how many passes, of which sizes) are worth on this machine; vanilla-again is 1.00x
-there by construction, and a method under it loses by its own decisions, not by a busy machine.
+priced alike. It shows what a method's choices (how many passes, of which sizes) are worth on this
+machine; vanilla-again is 1.00x there by construction, and a method under it loses by its own
+decisions, not by a busy machine.
 
 `speculative` runs the draft-model method on the same prompts for each --gammas value and prints
 the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
@@ -94,9 +94,9 @@ from cpu_compiled import CompiledModel, require_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
-from latency import Latency
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
                     run_program, writable)
+from latency import Latency
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options, refuse_idle, spoken_list)
 from model import DTYPES, load_checkpoint, parse_device

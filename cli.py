@@ -175,7 +175,7 @@ def statistics(args, prompt_ids, gen: Generation, seed) -> dict:
         "draft_tokens_proposed": gen.counts.guesses_proposed,
         "draft_tokens_accepted": gen.counts.guesses_accepted,
         "draft_rejections": gen.counts.rejections,
-        "cost_aware": METHODS[args.method].guesses and not args.fixed_size,
+        "cost_aware": METHODS[args.method].cost_aware(args),
         "prefill_seconds": round(gen.prefill_seconds, 4),
         "draft_seconds": round(gen.draft_seconds, 4),
         "forward_seconds": round(gen.forward_seconds, 4),

@@ -66,6 +66,10 @@ class Method:
     drafter: Callable[["Build"], Drafter] | None = None  # its drafter, for the guess-and-verify loop
     engine: Callable | None = None  # (options, model, tokenizer) -> an engine with .generate (apar.py)
 
+    def cost_aware(self, options) -> bool:
+        """Whether its trees are cut to what pays (cost_aware.py): it guesses, and --fixed-size is not given."""
+        return self.guesses and not options.fixed_size
+
 
 @dataclass
 class Build:
@@ -317,7 +321,7 @@ def build_drafter(method: Method, options, model, tokenizer, inputs: int | None 
 
     def this_machines():  # measured only when needed (once per machine: calibrate.machine_latency)
         return latency or machine_latency(model)
-    costs = None if not method.guesses or options.fixed_size else Costs(this_machines())
+    costs = Costs(this_machines()) if method.cost_aware(options) else None
     drafter = method.drafter(Build(options, model, tokenizer, inputs or inputs_per_pass(method, options, model),
                                    costs, this_machines))
     return drafter if costs is None else CostAware(drafter, costs)
