@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 import artifacts
 from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
 from apar_finetune import (AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, looks_list_style, packs,
-                           repetitive)
+                           repetitive, training_example)
 from calibrate import cpu_name
 from cpu_kernels import bfloat16_kernels
 from convert import cache_root, default_model_dir
@@ -61,12 +61,14 @@ LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train
 
 # ---- data ---------------------------------------------------------------------------------------
 
-def data_file(model, folder: Path, args) -> Path:
+def data_file(model, folder: Path, args, prompts: str = "") -> Path:
+    """Where the model's answers to `prompts` ("": all of them, "-list-prompts" or "-other-prompts")
+    are cached, per model and settings."""
     # APAR asks other prompts, for longer answers, and stops an answer once it loops (apar_answer_stop)
     kind = "apar-stopped-at-loops" if args.command == "apar" else "answers"
     if getattr(args, "list_prompts_only", False):
-        kind += "-list-prompts"
-    name = f"{kind}-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
+        prompts = "-list-prompts"
+    name = f"{kind}{prompts}-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
     return cache_root() / "distill" / f"{folder.name}-{artifacts.model_fingerprint(model)['weights_sha256']}" / name
 
 
@@ -74,31 +76,64 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     """(training, held-out) records {"prompt_ids", "answer_ids"}. The model's own answers (generated
     once and cached): the greedy answer to every prompt and, for APAR, --sampled-answers more drawn at
     SAMPLED (the small model's greedy answers loop more often than not; drawn ones far less). For
-    APAR, --answers also offers ShareGPT's recorded replies to the same prompts, or both. A prompt's
-    answers are all held out or all trained on."""
-    path = args.data = data_file(model, folder, args)
+    APAR, --answers also offers ShareGPT's recorded replies to the same prompts, both, or
+    structured_list_answers. A prompt's answers are all held out or all trained on."""
+    args.data = data_file(model, folder, args)
     source = getattr(args, "answers", "model")
     choose = apar_prompts if args.command == "apar" else training_prompts
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
     held_out = held_out_prompts(tokenizer, prompts)  # the whole set's, also when only its list prompts are answered
     if getattr(args, "list_prompts_only", False):
         prompts = [p for p in prompts if looks_list_style(p)]
-    files = []
-    if source in ("model", "mix"):
-        print(f"self-distilled answers: {path}", file=sys.stderr)
-        stop = apar_answer_stop(tokenizer) if args.command == "apar" else None
-        files.append(generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
-                                      batch_size=args.answer_batch, stop=stop))
-        for copy in range(getattr(args, "sampled_answers", 0)):
-            files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"),
-                                          prompts, max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
-                                          sampling=SAMPLED, seed=1_000_003 * copy, stop=stop))
-    if source in ("sharegpt", "mix"):
-        replies = [r for r in recorded_answers(tokenizer, prompts, args.max_new_tokens) if r is not None]
-        print(f"ShareGPT's recorded replies to {len(replies)} of the {len(prompts)} prompts", file=sys.stderr)
-        files.append(replies)
+    if source == "structured-lists":
+        files = structured_list_answers(model, tokenizer, folder, prompts, args)
+    else:
+        files = model_answers(model, tokenizer, args.data, prompts, args) if source in ("model", "mix") else []
+        if source in ("sharegpt", "mix"):
+            files.append(sharegpt_replies(tokenizer, prompts, args))
     splits = [split_records(records, tokenizer, held_out) for records in files]
     return [r for training, _ in splits for r in training], [r for _, held in splits for r in held]
+
+
+def model_answers(model, tokenizer, path: Path, prompts: list[str], args) -> list[list[dict]]:
+    """The model's greedy answers to `prompts`, and for APAR --sampled-answers sampled ones: one list
+    of records per file, each made once and cached at `path` (the sampled ones beside it)."""
+    print(f"self-distilled answers: {path}", file=sys.stderr)
+    stop = apar_answer_stop(tokenizer) if args.command == "apar" else None
+    files = [generate_answers(model, tokenizer, path, prompts, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.answer_batch, stop=stop)]
+    for copy in range(getattr(args, "sampled_answers", 0)):
+        files.append(generate_answers(model, tokenizer, path.with_name(f"{path.stem}-sampled{copy}.jsonl"),
+                                      prompts, max_new_tokens=args.max_new_tokens, batch_size=args.answer_batch,
+                                      sampling=SAMPLED, seed=1_000_003 * copy, stop=stop))
+    return files
+
+
+def sharegpt_replies(tokenizer, prompts: list[str], args) -> list[dict]:
+    replies = [r for r in recorded_answers(tokenizer, prompts, args.max_new_tokens) if r is not None]
+    print(f"ShareGPT's recorded replies to {len(replies)} of the {len(prompts)} prompts", file=sys.stderr)
+    return replies
+
+
+def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], args) -> list[list[dict]]:
+    """--answers structured-lists (APAR): on a list-style prompt only answers with structure, the
+    model's own and ShareGPT's recorded reply; on every other prompt the model's own answers, whatever
+    their form. Why: an unstructured answer to a list-style prompt is a negative example that teaches
+    "no list here" (a round on list prompts only forked on 50% of held-out lists with those negatives,
+    62% without), and the small model writes no list for most list-style prompts, where the recorded
+    replies do. The negatives then come from code, math and prose prompts, in the model's own words."""
+    control = ControlTokens.of(tokenizer)
+    lists = [p for p in prompts if looks_list_style(p)]
+    others = [p for p in prompts if not looks_list_style(p)]
+
+    def structured(records):
+        return [r for r in records if training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control).kind
+                in ("list", "paragraphs")]
+
+    list_answers = model_answers(model, tokenizer, data_file(model, folder, args, "-list-prompts"), lists, args)
+    list_answers.append(sharegpt_replies(tokenizer, lists, args))
+    return ([structured(records) for records in list_answers]
+            + model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args))
 
 
 def apar_answer_stop(tokenizer):
@@ -421,15 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
                    "prompts: list-style ones first, then others)", records=3000, max_new_tokens=512,
                    max_prompt_tokens=192, epochs=2)
-    apar.add_argument("--answers", choices=["model", "sharegpt", "mix"], default="model",
+    apar.add_argument("--answers", choices=["model", "sharegpt", "mix", "structured-lists"], default="model",
                       help="what the adapter learns to write: the model's own answers (greedy and sampled), "
-                           "ShareGPT's recorded replies to the same prompts (the paper's data), or both")
+                           "ShareGPT's recorded replies to the same prompts (the paper's data), both, or "
+                           "structured-lists: on list-style prompts only structured answers (the model's and "
+                           "ShareGPT's), on the others the model's own answers")
     apar.add_argument("--list-prompts-only", action="store_true",
                       help="answer only the list-style prompts among the --records ones (the same held out as "
                            "with all of them): a cheaper round that adds list data")
     apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
                       help=f"model's answers per prompt drawn at temperature {SAMPLED.temperature}, top-p "
-                           f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model or mix)")
+                           f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model, mix or structured-lists)")
     apar.add_argument("--min-points", type=integer(0, 100), default=0,
                       help="train on a list or paragraph tree only if it has at least this many points (an "
                            "answer cut off loses its last), 0..100; 0: all")
@@ -467,7 +504,8 @@ def main(argv=None) -> int:
 def train_command(argv) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "apar":  # the model's answers are not made for --answers sharegpt
-        refuse_idle(args, args.command_parser, [(dest, lambda args: args.answers != "sharegpt", "--answers model and mix")
+        refuse_idle(args, args.command_parser, [(dest, lambda args: args.answers != "sharegpt",
+                                                 "--answers model, mix and structured-lists")
                                                 for dest in ("sampled_answers", "answer_batch")])
     if args.command == "ppd" and args.ensembles * args.soft_tokens > 64:
         raise UserError("--soft-tokens x --ensembles must be at most 64 (inputs per node)")

@@ -116,3 +116,37 @@ def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path
     err = capsys.readouterr().err
     assert code == 1 and err.count("error:") == 1 and fragment in err and "Traceback" not in err
     assert "self-distilled" not in err  # refused before the answers are made
+
+
+def test_structured_lists_trains_a_list_prompt_only_on_answers_with_structure(monkeypatch, tmp_path, default_tokenizer):
+    """--answers structured-lists: on a list-style prompt only structured answers are kept, whichever
+    source wrote them (the model or ShareGPT); on any other prompt the model's answers all stay, so
+    the negatives come from prompts that ask for no list. ShareGPT is not asked about other prompts."""
+    import argparse
+
+    tok = default_tokenizer
+    eos = min(tok.eos_ids)
+    points = ("Here are some tips:\n\n1. **Keep a schedule:** Go to bed at the same time every night.\n"
+              "2. Light: Keep the room dark and quiet.\n3. Screens: Put the phone away an hour before bed.")
+    prose = "Twelve sevens are eighty-four, since ten sevens make seventy and two more make fourteen."
+    tips, ideas, sum_, poem = ("List five tips for sleeping well.", "Give me some ideas for a birthday party.",
+                               "What is 12 times 7?", "Write a short poem about rain.")
+    by_model = {tips: points, ideas: prose, sum_: prose, poem: points}
+    by_sharegpt = {tips: prose, ideas: points}
+
+    def record(prompt, text):
+        return {"prompt_ids": tok.prompt_ids(prompt, raw=False), "answer_ids": tok.encode(text) + [eos]}
+
+    monkeypatch.setattr(train_prompt, "apar_prompts", lambda count, tokenizer, longest: [tips, ideas, sum_, poem])
+    monkeypatch.setattr(train_prompt, "held_out_prompts", lambda tokenizer, prompts: [])
+    monkeypatch.setattr(train_prompt, "data_file", lambda model, folder, args, prompts="": tmp_path / f"a{prompts}")
+    monkeypatch.setattr(train_prompt, "generate_answers",
+                        lambda model, tokenizer, path, prompts, **how: [record(p, by_model[p]) for p in prompts])
+    monkeypatch.setattr(train_prompt, "recorded_answers",
+                        lambda tokenizer, prompts, longest: [record(p, by_sharegpt[p]) for p in prompts])
+    args = argparse.Namespace(command="apar", answers="structured-lists", records=4, max_prompt_tokens=64,
+                              max_new_tokens=64, answer_batch=2, sampled_answers=0)
+    training, held_out = train_prompt.answers(None, tok, tmp_path, args)
+    asked = {tuple(tok.prompt_ids(p, raw=False)): p for p in (tips, ideas, sum_, poem)}
+    kept = sorted((asked[tuple(r["prompt_ids"])], tok.decode(r["answer_ids"][:-1])) for r in training)
+    assert held_out == [] and kept == sorted([(tips, points), (ideas, points), (sum_, prose), (poem, points)])
