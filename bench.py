@@ -674,12 +674,13 @@ def bench_apar(args, tokenizer, report):
             has_points = structure(text_of_answer, loops_allowed=True).kind in ("list", "paragraphs")
             tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), text_of_answer, wanted,
                                    answer_nll(base, prompt_ids, answer), has_points)
+            done = [f"vanilla {vanilla.counts.forward_passes} passes"]
             for name, decoder in engines.items():
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
                                   answer_nll(base, prompt_ids, gen.token_ids), has_points)
-            print(f"  {category} {number}/{len(texts)}: vanilla {vanilla.counts.forward_passes} passes, APAR "
-                  f"{gen.threads} threads, {gen.counts.forward_passes} passes", file=sys.stderr, flush=True)
+                done.append(f"{name} {gen.threads} threads, {gen.counts.forward_passes} passes")
+            print(f"  {category} {number}/{len(texts)}: " + "; ".join(done), file=sys.stderr, flush=True)
         rows += [apar_row(category, name, tally, tallies["vanilla"]) for name, tally in tallies.items()]
     columns = [Column("category"), Column("decoder"), Column("answers"), Column("threads", "threads (#T)", "{:.1f}"),
                Column("parallel", "parallel (%P)", "{:.0%}"),

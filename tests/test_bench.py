@@ -148,9 +148,10 @@ def test_the_apar_table_puts_quality_next_to_speed(tmp_path, monkeypatch, defaul
     assert all(1 < row["perplexity"] < 100 for row in rows.values())
 
 
-def test_the_apar_table_has_a_row_per_fork_bias(tmp_path, monkeypatch, default_model):
+def test_the_apar_table_has_a_row_per_fork_bias(tmp_path, monkeypatch, capsys, default_model):
     """--fork-biases: the same adapter decoded with each bias, a row each, named by it; on this prompt
-    the adapter as trained does not fork within 24 tokens and a bias of 4 nats does."""
+    the adapter as trained does not fork within 24 tokens and a bias of 4 nats does. The progress line
+    of each prompt names every decoder with its threads."""
     monkeypatch.setattr(bench, "apar_categories", lambda args, tokenizer: {"lists": ["Give me three tips for sleep."]})
     out = tmp_path / "r.json"
     bench.main(["apar", "--new-tokens", "24", "--apar-guesses", "--fork-biases", "0", "4", "--out", str(out)])
@@ -158,6 +159,9 @@ def test_the_apar_table_has_a_row_per_fork_bias(tmp_path, monkeypatch, default_m
     rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
     assert list(rows) == ["vanilla", "apar fork bias 0", "apar fork bias 4"]
     assert rows["apar fork bias 0"]["threads"] == 1 < rows["apar fork bias 4"]["threads"]
+    progress = capsys.readouterr().err
+    assert "apar fork bias 0 1 threads" in progress
+    assert f"apar fork bias 4 {rows['apar fork bias 4']['threads']:.0f} threads" in progress
 
 
 def test_the_apar_table_counts_forks_by_whether_vanilla_answered_with_points():
