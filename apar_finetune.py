@@ -123,6 +123,7 @@ UNSTRUCTURED = re.compile(r"```|https?://|www\.|\$|\\\(|\\\[|\d\s*[+*/^=×÷]\s*
 # (but not "2013-2014" or "20-40-year-old")
 FIRST_SENTENCE = re.compile(r"(?s)(.{10,}?[.!?])(?=\s+\S)")  # at least 10 characters, then more text
 MIN_POINTS, MIN_POINT_CHARS = 3, 10
+STRUCTURED = ("list", "paragraphs")  # the kinds of Structure that fork: the paragraph trees training teaches
 
 
 @dataclass
@@ -398,7 +399,7 @@ def apar_examples(records, tokenizer, control, unstructured_share: float = 1.0, 
     two 1:1). Repetitive answers are left out (but for a list before the loop, see
     training_example): they would teach the model to loop."""
     examples = [training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control) for r in records]
-    structured = [e for e in examples if e.kind in ("list", "paragraphs") and e.points >= min_points]
+    structured = [e for e in examples if e.kind in STRUCTURED and e.points >= min_points]
     unstructured = [e for e in examples if e.kind == "unstructured"]
     return structured + unstructured[:max(round(unstructured_share * len(structured)), 1)]
 

@@ -83,7 +83,7 @@ import torch
 import apar
 import bench_data
 from apar import FORK_BIAS, MAX_FORK_BIAS
-from apar_finetune import held_out_list_prompts, repetitive, structure
+from apar_finetune import STRUCTURED, held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact
 from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
@@ -671,7 +671,7 @@ def bench_apar(args, tokenizer, report):
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
             text_of_answer = tokenizer.decode(answer)
-            has_points = structure(text_of_answer, loops_allowed=True).kind in ("list", "paragraphs")
+            has_points = structure(text_of_answer, loops_allowed=True).kind in STRUCTURED
             tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), text_of_answer, wanted,
                                    answer_nll(base, prompt_ids, answer), has_points)
             done = [f"vanilla {vanilla.counts.forward_passes} passes"]

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 import artifacts
 from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
-from apar_finetune import (AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts, looks_list_style, packs,
-                           repetitive, training_example)
+from apar_finetune import (STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
+                           looks_list_style, packs, repetitive, training_example)
 from calibrate import cpu_name
 from cpu_kernels import bfloat16_kernels
 from convert import cache_root, default_model_dir
@@ -66,8 +66,6 @@ def data_file(model, folder: Path, args, prompts: str = "") -> Path:
     are cached, per model and settings."""
     # APAR asks other prompts, for longer answers, and stops an answer once it loops (apar_answer_stop)
     kind = "apar-stopped-at-loops" if args.command == "apar" else "answers"
-    if getattr(args, "list_prompts_only", False):
-        prompts = "-list-prompts"
     name = f"{kind}{prompts}-{args.records}-prompt{args.max_prompt_tokens}-new{args.max_new_tokens}.jsonl"
     return cache_root() / "distill" / f"{folder.name}-{artifacts.model_fingerprint(model)['weights_sha256']}" / name
 
@@ -78,12 +76,13 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     SAMPLED (the small model's greedy answers loop more often than not; drawn ones far less). For
     APAR, --answers also offers ShareGPT's recorded replies to the same prompts, both, or
     structured_list_answers. A prompt's answers are all held out or all trained on."""
-    args.data = data_file(model, folder, args)
+    list_prompts_only = getattr(args, "list_prompts_only", False)
+    args.data = data_file(model, folder, args, "-list-prompts" if list_prompts_only else "")
     source = getattr(args, "answers", "model")
     choose = apar_prompts if args.command == "apar" else training_prompts
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
     held_out = held_out_prompts(tokenizer, prompts)  # the whole set's, also when only its list prompts are answered
-    if getattr(args, "list_prompts_only", False):
+    if list_prompts_only:
         prompts = [p for p in prompts if looks_list_style(p)]
     if source == "structured-lists":
         files = structured_list_answers(model, tokenizer, folder, prompts, args)
@@ -127,8 +126,8 @@ def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], 
     others = [p for p in prompts if not looks_list_style(p)]
 
     def structured(records):
-        return [r for r in records if training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control).kind
-                in ("list", "paragraphs")]
+        return [r for r in records
+                if training_example(r["prompt_ids"], r["answer_ids"], tokenizer, control).kind in STRUCTURED]
 
     list_answers = model_answers(model, tokenizer, data_file(model, folder, args, "-list-prompts"), lists, args)
     list_answers.append(sharegpt_replies(tokenizer, lists, args))

@@ -129,10 +129,13 @@ def test_structured_lists_trains_a_list_prompt_only_on_answers_with_structure(mo
     points = ("Here are some tips:\n\n1. **Keep a schedule:** Go to bed at the same time every night.\n"
               "2. Light: Keep the room dark and quiet.\n3. Screens: Put the phone away an hour before bed.")
     prose = "Twelve sevens are eighty-four, since ten sevens make seventy and two more make fourteen."
+    paragraphs = ("A themed party is always fun. Pick one idea and dress the room to match it.\n\nGames keep "
+                  "everyone busy. Plan a treasure hunt or a quiz for the guests.\n\nFood matters most of all. "
+                  "Bake a cake together and order a few pizzas.")
     tips, ideas, sum_, poem = ("List five tips for sleeping well.", "Give me some ideas for a birthday party.",
                                "What is 12 times 7?", "Write a short poem about rain.")
     by_model = {tips: points, ideas: prose, sum_: prose, poem: points}
-    by_sharegpt = {tips: prose, ideas: points}
+    by_sharegpt = {tips: prose, ideas: paragraphs}  # paragraphs are structure too
 
     def record(prompt, text):
         return {"prompt_ids": tok.prompt_ids(prompt, raw=False), "answer_ids": tok.encode(text) + [eos]}
@@ -149,4 +152,4 @@ def test_structured_lists_trains_a_list_prompt_only_on_answers_with_structure(mo
     training, held_out = train_prompt.answers(None, tok, tmp_path, args)
     asked = {tuple(tok.prompt_ids(p, raw=False)): p for p in (tips, ideas, sum_, poem)}
     kept = sorted((asked[tuple(r["prompt_ids"])], tok.decode(r["answer_ids"][:-1])) for r in training)
-    assert held_out == [] and kept == sorted([(tips, points), (ideas, points), (sum_, prose), (poem, points)])
+    assert held_out == [] and kept == sorted([(tips, points), (ideas, paragraphs), (sum_, prose), (poem, points)])
