@@ -47,7 +47,8 @@ a number of points), with vanilla decoding of the
 base model, with the APAR model (the default model with the shipped adapter, apar.py) and with APAR
 plus each --apar-guesses drafter per thread, all greedy. Per category and decoder it prints speed
 (APAR's generation threads per answer and share of answers that went parallel, Tables 7-8, that share
-split by whether vanilla's answer to the prompt has points, a list or paragraphs, or none; forward
+split by whether vanilla's answer to the prompt has points, a list or paragraphs, or none, and by
+whether the prompt's wording asks for a list, labelled by hand in lists_due.py; forward
 passes, tokens per pass and tau per thread; tokens/s and its ratio to vanilla's, the paper's speedup
 measure since answers differ in length), the cache (max cached tokens and attended tokens per token
 fed, against the flattened answer: Tables 1-2, 9-16) and quality (apar_quality.py): tokens per
@@ -97,6 +98,7 @@ from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
                     run_program, writable)
 from latency import Latency
+from lists_due import list_due
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options, refuse_idle, spoken_list)
 from model import DTYPES, load_checkpoint, parse_device
@@ -583,12 +585,24 @@ class AparTally:
     # a list or paragraphs, loops allowed) or has none (code, math, a single paragraph)
     pointed: int = 0
     forked_pointed: int = 0  # (the others that forked: parallel - forked_pointed)
+    # whether a list is due by the prompt's wording, labelled by hand (lists_due.py; neither for a
+    # prompt labelled "either" or not labelled)
+    due: int = 0
+    forked_due: int = 0
+    not_due: int = 0
+    forked_not_due: int = 0
 
-    def add(self, stats: dict, text: str, wanted: int | None, nll: list[float], vanilla_has_points: bool) -> None:
-        """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla's)."""
+    def add(self, stats: dict, text: str, wanted: int | None, nll: list[float], vanilla_has_points: bool,
+            list_label: str | None = None) -> None:
+        """One answer: `stats` as apar.statistics gives them (vanilla_statistics for vanilla's);
+        `list_label` the prompt's hand label (lists_due.list_due)."""
         self.answers += 1
         self.pointed += vanilla_has_points
         self.forked_pointed += vanilla_has_points and stats["parallel"]
+        self.due += list_label == "due"
+        self.forked_due += list_label == "due" and stats["parallel"]
+        self.not_due += list_label == "not due"
+        self.forked_not_due += list_label == "not due" and stats["parallel"]
         self.new_tokens += stats["new_tokens"]
         self.forward_passes += stats["forward_passes"]
         self.seconds += stats["decode_seconds"]
@@ -667,25 +681,27 @@ def bench_apar(args, tokenizer, report):
     for category, texts in apar_categories(args, tokenizer).items():
         tallies = {name: AparTally() for name in ["vanilla", *engines]}
         for number, text in enumerate(texts, 1):
-            prompt_ids, wanted = tokenizer.prompt_ids(text, raw=False), requested_points(text)
+            prompt_ids, wanted, label = tokenizer.prompt_ids(text, raw=False), requested_points(text), list_due(text)
             vanilla = generate(base, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
             answer = [token for token in vanilla.token_ids if token not in tokenizer.eos_ids]
             text_of_answer = tokenizer.decode(answer)
             has_points = structure(text_of_answer, loops_allowed=True).kind in STRUCTURED
             tallies["vanilla"].add(vanilla_statistics(vanilla, answer, len(prompt_ids)), text_of_answer, wanted,
-                                   answer_nll(base, prompt_ids, answer), has_points)
+                                   answer_nll(base, prompt_ids, answer), has_points, label)
             done = [f"vanilla {vanilla.counts.forward_passes} passes"]
             for name, decoder in engines.items():
                 gen = decoder.generate(prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids)
                 tallies[name].add(apar.statistics(gen, len(prompt_ids)), tokenizer.decode(gen.token_ids), wanted,
-                                  answer_nll(base, prompt_ids, gen.token_ids), has_points)
+                                  answer_nll(base, prompt_ids, gen.token_ids), has_points, label)
                 done.append(f"{name} {gen.threads} threads, {gen.counts.forward_passes} passes")
             print(f"  {category} {number}/{len(texts)}: " + "; ".join(done), file=sys.stderr, flush=True)
         rows += [apar_row(category, name, tally, tallies["vanilla"]) for name, tally in tallies.items()]
     columns = [Column("category"), Column("decoder"), Column("answers"), Column("threads", "threads (#T)", "{:.1f}"),
                Column("parallel", "parallel (%P)", "{:.0%}"),
                Column("forked_pointed", "forked where vanilla's answer has points"),
-               Column("forked_unpointed", "forked where it has none"), Column("passes", "passes per answer", "{:.0f}"),
+               Column("forked_unpointed", "forked where it has none"),
+               Column("forked_due", "forked where a list is due (by hand)"),
+               Column("forked_not_due", "forked where none is due"), Column("passes", "passes per answer", "{:.0f}"),
                Column("fewer_passes", "fewer passes", "{:.2f}x"), Column("tokens", "tokens per answer", "{:.0f}"),
                Column("tokens_per_pass", "tokens per pass", "{:.2f}"),
                Column("thread_tau", "tau per thread", "{:.2f}"), Column("tokens_per_second", "tokens/s", "{:.1f}"),
@@ -708,7 +724,8 @@ def apar_row(category: str, name: str, t: AparTally, vanilla: AparTally) -> list
         return f"{count}/{of}" if name != "vanilla" and of else None
 
     return [category, name, n, t.threads / n, t.parallel / n, forked(t.forked_pointed, t.pointed),
-            forked(t.parallel - t.forked_pointed, n - t.pointed), t.forward_passes / n,
+            forked(t.parallel - t.forked_pointed, n - t.pointed), forked(t.forked_due, t.due),
+            forked(t.forked_not_due, t.not_due), t.forward_passes / n,
             vanilla.forward_passes / t.forward_passes, t.new_tokens / n, t.new_tokens / t.forward_passes,
             statistics.mean(t.thread_taus) if t.thread_taus else None, t.new_tokens / t.seconds,
             (t.new_tokens / t.seconds) / (vanilla.new_tokens / vanilla.seconds),

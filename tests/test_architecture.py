@@ -17,7 +17,7 @@ MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
     ["errors", "meter", "progress", "staging", "latency", "cpu_kernels", "model", "kv_cache", "cuda_graphs", "cpu_compiled", "tree", "sampling",
      "tokenizer", "convert",
-     "artifacts", "bench_data", "prompts", "charts"],  # foundations
+     "artifacts", "bench_data", "lists_due", "prompts", "charts"],  # foundations
     ["verify", "drafters", "recycling", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
      "combined"],  # the methods' parts
     ["decode"],  # the guess-and-verify loop

