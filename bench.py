@@ -90,7 +90,7 @@ from artifacts import load as load_artifact, shipped_artifact
 from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
-from cpu_kernels import Linear, kernel_times, prepare_kernels
+from cpu_kernels import MEMORY_FLOOR, Linear, kernel_times, prepare_kernels
 from cpu_compiled import CompiledModel, require_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from decode import generate
@@ -812,7 +812,8 @@ def bench_kernels(name, model, args, report):
     lines = [[rows] + [times[kernel, rows] for kernel in kernels] + [linears[0].kernel(model.device, model.dtype, rows)]
              for rows in KERNEL_ROWS]
     report.table(f"{name}: the model's linear layers (30 x 4 and the LM head), ms per pass over n rows (median "
-                 f"of {args.reps * 3}; cpu_kernels.py)",
+                 f"of {args.reps * 3}; cpu_kernels.py; '{MEMORY_FLOOR}': the weights summed, no product, the memory's "
+                 "limit)",
                  [Column("rows")] + [Column(kernel, fmt="{:.1f}") for kernel in kernels] + [Column("Linear's pick")],
                  lines, kind="kernels", dtype=name)
 

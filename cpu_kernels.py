@@ -135,13 +135,18 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
 
 # ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
 
+MEMORY_FLOOR = "read W once"  # kernel_times' yardstick: no product, each weight summed
+
+
 def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15) -> dict[tuple[str, int], float]:
     """{(kernel, rows): ms} for one pass of `rows` input rows through `linears` (a model's linear
     layers in the order a step runs them, so that they stream from memory as in a real step), per
     candidate kernel for their dtype; the median of `repeats` passes, candidates and sizes
-    interleaved so that machine noise hits all alike."""
+    interleaved so that machine noise hits all alike. MEMORY_FLOOR, for comparison, reads the same
+    weights once and multiplies nothing (a sum: what the memory allows a kernel, whatever it
+    computes; a kernel near it is at the memory limit)."""
     weight = linears[0].weight
-    candidates = {"F.linear": lambda m, x: F.linear(x, m.weight)}
+    candidates = {MEMORY_FLOOR: lambda m, x: m.weight.sum(), "F.linear": lambda m, x: F.linear(x, m.weight)}
     if torch.backends.mkldnn.is_available():
         candidates["packed"] = lambda m, x: packed_product(x, m.weight)
     if weight.dtype == torch.float32:

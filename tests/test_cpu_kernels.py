@@ -115,3 +115,13 @@ def test_outputs_are_row_major_whatever_the_input_layout(rows):
     y = layer(column_major)
     assert y.is_contiguous()
     torch.testing.assert_close(y, F.linear(column_major, layer.weight), rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_times_puts_the_memory_floor_next_to_every_candidate():
+    """bench.py latency's kernel table: each candidate for the dtype, and MEMORY_FLOOR (the same weights
+    read once), for every row count: the yardstick of "at the memory limit"."""
+    layers = [linear(Linear.BLOCK_ROWS, 32, seed=1), linear(2 * Linear.BLOCK_ROWS, Linear.BLOCK_ROWS, seed=2)]
+    times = cpu_kernels.kernel_times(layers, [1, 3], repeats=1)
+    kernels = {cpu_kernels.MEMORY_FLOOR, "F.linear", "blocked"} | ({"packed"} if cpu_kernels.ONEDNN else set())
+    assert set(times) == {(kernel, rows) for kernel in kernels for rows in (1, 3)}
+    assert all(ms > 0 for ms in times.values())
