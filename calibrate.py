@@ -215,8 +215,28 @@ def machine_latency(model) -> OnlineLatency:
     that table as it goes."""
     key = machine_key(model)
     if key not in THIS_RUN:
-        THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=lambda online: save_or_say(key, online))
+        THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=refresher(key))
     return THIS_RUN[key]
+
+
+def refresher(key: str):
+    """The OnlineLatency's save for `key`: save_or_say, but only after passes timed on an otherwise idle
+    machine. Where other programs took more than OTHERS_BUSY of the CPUs since the last refresh, the
+    passes timed the load too: this run still decides by them, but they would make the next run's
+    start, and the bench's modelled column, wrong, so they are not saved (said once)."""
+    last = {"ticks": cpu_ticks(), "said": False}
+
+    def save(online: OnlineLatency) -> None:
+        before, last["ticks"] = last["ticks"], cpu_ticks()
+        others = share_of_others(before, last["ticks"])
+        if others is not None and others > OTHERS_BUSY:
+            if not last["said"]:
+                print(f"cost-aware drafting: other programs took {others:.0%} of the CPUs during this run's last "
+                      f"passes; their L(n) is not saved to {latency_file()}", file=sys.stderr)
+                last["said"] = True
+            return
+        save_or_say(key, online)
+    return save
 
 
 def save_or_say(key: str, online: OnlineLatency) -> None:

@@ -310,3 +310,20 @@ def test_passes_a_replaced_table_counted_are_not_counted_again(cache):
     calibrate.save_measured("this machine", online)  # blended: only the 10 new passes of 6 are added
     table = json.loads((cache / "latency.json").read_text())["this machine"]
     assert table["6"]["passes"] == online.seen[6] == 14
+
+
+def test_passes_timed_on_a_busy_machine_are_not_saved(cache, monkeypatch, capsys):
+    """A run's refresh of the saved table skips the passes during which other programs took more than
+    OTHERS_BUSY of the CPUs (said once), and saves again once the machine is quiet."""
+    ticks = iter([(0, 0, 0), (1000, 900, 400), (2000, 1800, 800), (3000, 2300, 1300)])  # (all, busy, own)
+    monkeypatch.setattr(calibrate, "cpu_ticks", lambda: next(ticks))
+    online = OnlineLatency(TRUE, save=calibrate.refresher("this machine"))  # reads (0, 0, 0)
+    for _ in range(OnlineLatency.SAVE_EVERY):  # others took 50% of the CPUs
+        online.observe(1, 3 * TRUE(1))
+    for _ in range(OnlineLatency.SAVE_EVERY):  # 50% again
+        online.observe(1, 3 * TRUE(1))
+    assert not (cache / "latency.json").exists()
+    assert capsys.readouterr().err.count("not saved") == 1
+    for _ in range(OnlineLatency.SAVE_EVERY):  # quiet: its own passes only
+        online.observe(1, TRUE(1))
+    assert json.loads((cache / "latency.json").read_text())["this machine"]["1"]["ms"] == pytest.approx(22.2, rel=0.01)
