@@ -221,9 +221,11 @@ def machine_latency(model) -> OnlineLatency:
 
 def refresher(key: str):
     """The OnlineLatency's save for `key`: save_or_say, but only after passes timed on an otherwise idle
-    machine. Where other programs took more than OTHERS_BUSY of the CPUs since the last refresh, the
+    machine. Where other processes took more than OTHERS_BUSY of the CPUs since the last refresh, the
     passes timed the load too: this run still decides by them, but they would make the next run's
-    start, and the bench's modelled column, wrong, so they are not saved (said once)."""
+    start, and the bench's modelled column, wrong, so they are not saved (said once). (torch.compile's
+    worker processes count as others: a refresh over a compilation is skipped too, and the next one
+    saves.)"""
     last = {"ticks": cpu_ticks(), "said": False}
 
     def save(online: OnlineLatency) -> None:
@@ -231,8 +233,8 @@ def refresher(key: str):
         others = share_of_others(before, last["ticks"])
         if others is not None and others > OTHERS_BUSY:
             if not last["said"]:
-                print(f"cost-aware drafting: other programs took {others:.0%} of the CPUs during this run's last "
-                      f"passes; their L(n) is not saved to {latency_file()}", file=sys.stderr)
+                print(f"cost-aware drafting: other processes (other programs, or compiling) took {others:.0%} of the "
+                      f"CPUs during this run's last passes; their L(n) is not saved to {latency_file()}", file=sys.stderr)
                 last["said"] = True
             return
         save_or_say(key, online)

@@ -23,7 +23,7 @@ So it is known three ways, each correcting the one before:
 3. **Saved back** (calibrate.save_measured): every SAVE_EVERY passes, the sizes this run measured
    well (WELL_MEASURED: enough passes, a narrow spread) refresh the saved table, each entry keeping
    how many passes back it; where the run finds the saved table far off, the run's curve replaces
-   it, said once on stderr. Passes timed while other programs took more than a tenth of the CPUs
+   it, said once on stderr. Passes timed while other processes took more than a tenth of the CPUs
    are not saved (calibrate.refresher): they timed the load, not the machine.
 
 The saved tables live in the cache's latency.json ({machine key: {n: {"ms": L(n), "passes": k}}});
