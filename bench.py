@@ -293,13 +293,26 @@ class LlamaCppPeer:
                    vanilla_text in done.stdout)
 
 
+def decoding_model(model, args):
+    """`model` as --cuda-graphs or --compile run its decoding passes. Compiled, TorchDynamo first drops
+    the programs compiled for earlier models in this process (an earlier --dtypes'): kept, they slowed
+    the next one (`bench.py latency --compile`, compiled vanilla in bfloat16: 69.7-72.4 tokens/s after
+    float32's, 78.1-80.3 alone; docs/results.md)."""
+    if args.cuda_graphs:
+        return GraphedModel(model)
+    if args.compile:
+        torch._dynamo.reset()
+        return CompiledModel(model)
+    return model
+
+
 def bench_methods(args, tokenizer, report):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads()) if args.llama_cpp else None
     for dtype_name in args.dtypes:
         model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_kernels(model)
-        model = GraphedModel(model) if args.cuda_graphs else CompiledModel(model) if args.compile else model
+        model = decoding_model(model, args)
         greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
@@ -824,7 +837,7 @@ def bench_latency(name, args, tokenizer, report):
     ours = load_checkpoint(folder, dtype, args.device)
     prepare_kernels(ours)
     plain = ours
-    ours = GraphedModel(ours) if args.cuda_graphs else CompiledModel(ours) if args.compile else ours
+    ours = decoding_model(ours, args)
     if args.device.type == "cpu":
         bench_kernels(name, plain, args, report)
     theirs = None

@@ -300,3 +300,16 @@ def test_each_benchmark_refuses_exactly_the_options_it_does_not_read():
 def test_an_option_the_benchmark_does_not_read_is_refused():
     with pytest.raises(UserError, match="--gammas applies to bench.py speculative only"):
         bench.bench_command(["methods", "--gammas", "2"])
+
+
+def test_each_compiled_model_starts_without_the_programs_of_the_models_before_it(monkeypatch, default_model):
+    """bench.py --compile over several --dtypes: TorchDynamo forgets the earlier models' programs before
+    a new model is compiled (kept, they slowed the next one by about a tenth); plain runs keep the model."""
+    from cpu_compiled import CompiledModel
+
+    resets = []
+    monkeypatch.setattr(bench.torch._dynamo, "reset", lambda: resets.append(True))
+    plain = bench.build_parser().parse_args(["latency"])
+    assert bench.decoding_model(default_model, plain) is default_model and not resets
+    compiled = bench.decoding_model(default_model, bench.build_parser().parse_args(["latency", "--compile"]))
+    assert isinstance(compiled, CompiledModel) and resets == [True]
