@@ -170,10 +170,15 @@ def share_of_others(before, after) -> float | None:
     return max(0.0, busy - own) / total if total > 0 else 0.0
 
 
+def others_busy(others: float | None) -> bool:
+    """Whether other processes took more than OTHERS_BUSY of the CPUs (share_of_others; unknown: no)."""
+    return others is not None and others > OTHERS_BUSY
+
+
 def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_type: str) -> str | None:
     """Why a first measurement of L(n) must not be saved (None: it may): others' share of the CPUs
     while it ran; on a GPU, or where that share is unknown, rounds that disagree."""
-    if others is not None and others > OTHERS_BUSY:
+    if others_busy(others):
         return f"other programs took {others:.0%} of the CPUs while it measured"
     if others is None or device_type != "cpu":
         disagreement = rounds_disagreement(passes)
@@ -231,7 +236,7 @@ def refresher(key: str):
     def save(online: OnlineLatency) -> None:
         before, last["ticks"] = last["ticks"], cpu_ticks()
         others = share_of_others(before, last["ticks"])
-        if others is not None and others > OTHERS_BUSY:
+        if others_busy(others):
             if not last["said"]:
                 print(f"cost-aware drafting: other processes (other programs, or compiling) took {others:.0%} of the "
                       f"CPUs during this run's last passes; their L(n) is not saved to {latency_file()}", file=sys.stderr)
