@@ -257,14 +257,21 @@ class Costs:
     def worth_running(self, shape: Tree, seconds: Sequence[float]) -> bool:
         """Whether a guesser that costs its time whatever is sent (`seconds`: its runs so far) should
         run for a tree of `shape` (its evidence depends on distance and rank, not on the tokens): when
-        the best part of it, as the estimates stand, beats sending nothing, that time included; always
-        before it ever ran and on a probe. A pass it skips counts as one whose guesses were cut."""
+        the best part of it, as the estimates stand and with that time added to its pass, beats the
+        pass it saves that time on, the root alone; always before it ever ran and on a probe. The
+        drafting time it costs on every pass either way (the rest of pass_cost's) is in both. A pass
+        it skips counts as one whose guesses were cut."""
         if not self.latency.measured_enough(1):
             return False  # (cut sends the root alone)
         if not seconds or self.idle >= self.probe_after:
             return True
         own = sum(seconds[-8:]) / len(seconds[-8:])
-        if len(best_subtree(shape, self.estimates_of(shape), lambda inputs: self.latency(inputs) + own)) > 1:
+        rest = max(0.0, self.drafter_seconds - sum(seconds)) / max(self.passes, 1)
+
+        def running(inputs):  # a pass's seconds when the guesser ran before it
+            return self.latency(inputs) + rest + own
+        best = best_subtree(shape, self.estimates_of(shape), running)
+        if sum(reach(best, self.estimates_of(best))) / running(best.input_count) > 1 / (self.latency(1) + rest):
             return True
         self.idle += 1
         return False

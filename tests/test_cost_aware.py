@@ -260,6 +260,16 @@ def test_cost_aware_medusa_decodes_as_vanilla_greedy(seed, prompt, max_new_token
     assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, drafter)
 
 
+@pytest.mark.parametrize("pair_latency, runs", [(1.40, True), (1.45, False)])
+def test_heads_run_only_when_their_best_tree_beats_the_root_alone_without_their_time(pair_latency, runs):
+    """A guess accepted half the time, at 2 inputs: 1.5 tokens for L(2) + the heads' 0.05 against 1
+    token for L(1) = 1, which pays the heads their time (not the root alone's) only when L(2) < 1.45.
+    Charging the heads' time to the root alone as well would run them at 1.45 too, and lose."""
+    costs = Costs(Latency({1: 1.0, 2: pair_latency}))
+    shape = Tree([0, 1], [-1, 0], evidence=[(), ((("head 1",), 0.5),)])
+    assert costs.worth_running(shape, [0.05]) is runs
+
+
 def test_medusa_heads_do_not_run_when_no_guess_of_theirs_could_pay():
     """Heads whose guesses are never right (accuracy 0) are run once, to time them, then only on probes."""
     model = tiny_model(0)
