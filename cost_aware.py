@@ -44,19 +44,11 @@ for the next pass, as this generation's outcomes estimate them, pay for their in
 whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
 misses can recover (a probe that finds nothing doubles the wait for the next); a draft model's probe,
 which costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
-
-The drafter's own time (proposing, cutting, learning from each pass: tenths of a millisecond of Python)
-is paid on every pass it drafts, also when every guess is then cut. Where a pass is cheap (2.5 ms
-replayed as a CUDA graph) that alone can make a method slower than vanilla, so the drafter *rests*
-while drafting loses: when its last drafted passes, priced at L(n) plus that own time, yielded fewer
-tokens per second than the root alone would at L(1) plus the time a resting pass still takes
-(learning its new tokens), the next passes send the root alone without asking the drafter, and
-probe as cut guesses do (`rest_next`).
 """
 
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,8 +61,7 @@ Key = tuple  # what a guess's outcome is filed under
 
 @dataclass
 class Cut:
-    """What one proposal offered and what was sent (visualize.py cost draws a generation of them); a
-    resting pass's drafter was not asked, and offered nothing."""
+    """What one proposal offered and what was sent (visualize.py cost draws a generation of them)."""
     candidates: int  # guesses the drafter offered
     sent: int  # guesses kept
     expected: float  # the accepted guesses the estimates expected of those kept
@@ -181,9 +172,6 @@ class Costs:
     # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
     # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
     PROBE_EVERY = 16
-    # a drafter rests (rest_next) once this many of a generation's passes were drafted, judging by the
-    # latest RECENT of them
-    REST_AFTER, RECENT = 8, 32
 
     def __init__(self, latency: Latency | OnlineLatency):
         self.latency = latency
@@ -195,11 +183,6 @@ class Costs:
         self.withheld = False  # whether extra_inputs_pay left this pass's extra inputs out
         self.probe_after, self.probing = self.PROBE_EVERY, False
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
-        self.resting = False  # whether the next pass sends the root alone without asking the drafter
-        self.rests, self.rest_wait = 0, self.PROBE_EVERY  # resting passes in a row; how many before a probe
-        self.proposing_seconds = self.learning_seconds = 0.0  # CostAware's own time in this pass, the last
-        self.drafted: deque = deque(maxlen=self.RECENT)  # per drafted pass: (tokens, L(inputs) + own seconds)
-        self.rested: deque = deque(maxlen=self.RECENT)  # per resting pass: its own seconds (learning)
 
     def pass_cost(self, inputs: int) -> float:
         """Seconds of a pass over `inputs` inputs: L(n), and the drafter's mean time per pass so far
@@ -254,31 +237,6 @@ class Costs:
             if node and outcome != "unreached":
                 for key, _ in done.tree.evidence[node]:
                     self.estimates.record(key, outcome == "accepted")
-        if done.verdict is not None:
-            self.rest_next(done)
-
-    def rest_next(self, done: Pass) -> None:
-        """Whether the pass after `done` rests: when the drafted passes of the last RECENT yielded fewer
-        tokens per second, each priced at L(its inputs) plus the drafter's own time (proposing it, and
-        learning from the pass before), than the root alone at L(1) plus a resting pass's own time.
-        Never before REST_AFTER drafted passes, and after rest_wait resting passes in a row one pass
-        drafts, a probe (a resting pass counts as one whose guesses were cut, so cut sends its tree
-        whole): one whose guesses all fail doubles the wait for the next."""
-        own = self.proposing_seconds + self.learning_seconds
-        if self.resting:
-            self.rested.append(own)
-        else:
-            self.drafted.append((1 + done.guesses_kept, self.latency(done.tree.input_count) + own))
-            if self.rests == self.rest_wait:  # it was a probe
-                self.rest_wait = self.PROBE_EVERY if done.guesses_kept else 2 * self.rest_wait
-            self.rests = 0
-        resting_cost = self.latency(1) + (sum(self.rested) / len(self.rested) if self.rested else 0.0)
-        drafting_rate = sum(tokens for tokens, _ in self.drafted) / sum(cost for _, cost in self.drafted)
-        self.resting = (len(self.drafted) >= self.REST_AFTER and self.rests < self.rest_wait
-                        and drafting_rate < 1 / resting_cost)
-        if self.resting:
-            self.rests += 1
-            self.idle += 1
 
     def draft_length(self, step_cost: float, most: int, prior: float) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
@@ -303,8 +261,8 @@ class Costs:
         pass it saves that time on, the root alone; always before it ever ran and on a probe. The
         drafting time it costs on every pass either way (the rest of pass_cost's) is in both. A pass
         it skips counts as one whose guesses were cut."""
-        if self.resting or not self.latency.measured_enough(1):
-            return False  # (the next pass is the root alone)
+        if not self.latency.measured_enough(1):
+            return False  # (cut sends the root alone)
         if not seconds or self.idle >= self.probe_after:
             return True
         own = sum(seconds[-8:]) / len(seconds[-8:])
@@ -372,20 +330,11 @@ class CostAware(Drafter):
         return self.drafter.prefill_tree(prompt_ids)
 
     def propose(self):
-        started = time.perf_counter()
-        if self.costs.resting:  # (Costs.rest_next)
-            tree = Tree.chain(self.drafter.history[-1], [])
-            self.last_cut = Cut(0, 0, 0.0)
-        else:
-            candidates = self.costs.timed(self.drafter.propose)
-            tree = self.costs.cut(candidates)
-            self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.costs.estimates_of(tree))) - 1)
-        self.costs.proposing_seconds = time.perf_counter() - started
+        candidates = self.costs.timed(self.drafter.propose)
+        tree = self.costs.cut(candidates)
+        self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.costs.estimates_of(tree))) - 1)
         return tree
 
     def after_pass(self, done):
-        started = time.perf_counter()
         self.costs.learn(done)
         self.costs.timed(lambda: self.drafter.after_pass(done))
-        # (learning the prompt, after the prefill, is a cost of the generation, not of a pass)
-        self.costs.learning_seconds = time.perf_counter() - started if done.verdict is not None else 0.0

@@ -5,7 +5,6 @@ cost-aware drafter still decodes exactly as vanilla greedy."""
 
 import itertools
 import random
-import time
 
 import pytest
 import torch
@@ -210,48 +209,6 @@ def test_estimates_converge_to_the_acceptance_rate(rate):
     estimates = drafter.costs.estimates
     assert estimates.judged[("scripted",)] > 300
     assert estimates.probability(("scripted",), 0.05) == pytest.approx(rate, abs=0.06)
-
-
-class SlowGuesser(Drafter):
-    """`inner`'s trees, each after `seconds` of its own time: what a drafter costs a pass besides L(n)."""
-
-    def __init__(self, inner: Drafter, seconds: float):
-        self.inner, self.seconds, self.proposals = inner, seconds, 0
-        self.max_extra_inputs = inner.max_extra_inputs
-
-    def begin(self, request):
-        super().begin(request)
-        self.inner.begin(request)
-
-    def propose(self):
-        self.proposals += 1
-        time.sleep(self.seconds)
-        return self.inner.propose()
-
-    def after_pass(self, done):
-        super().after_pass(done)
-        self.inner.after_pass(done)
-
-
-def test_a_drafter_that_cannot_pay_for_its_own_time_rests_and_probes_ever_less():
-    """No guesses, 2 ms a proposal, passes of 10 ms: after REST_AFTER drafted passes the root goes
-    alone without asking it, and it drafts again only as a probe, after 16, 32, then 64 resting
-    passes (each probe finds nothing, so the wait doubles): 199 passes after the prefill."""
-    drafter = CostAware(SlowGuesser(Drafter(), 0.002), Costs(Latency({1: 0.01})))
-    gen = generate(tiny_model(0, max_positions=1024), [1, 2, 3], max_new_tokens=200, eos_ids=set(), drafter=drafter)
-    assert gen.counts.forward_passes == 200
-    assert drafter.drafter.proposals == Costs.REST_AFTER + 3
-
-
-def test_a_drafter_whose_guesses_pay_for_its_time_never_rests():
-    """The same 2 ms, but chains of 4 guesses right 80% of the time on passes costing 10 ms whatever
-    their size: every pass drafts, and the answer is vanilla's."""
-    model = tiny_model(1, vocab=16, max_positions=1024)
-    answer = naive_greedy(model, [3, 1], 200)
-    drafter = CostAware(SlowGuesser(ScriptedGuesser(answer, 16, 0.8), 0.002), Costs(Latency({1: 0.01})))
-    gen = generate(model, [3, 1], max_new_tokens=200, eos_ids=set(), drafter=drafter)
-    assert gen.token_ids == answer
-    assert drafter.drafter.proposals == gen.counts.forward_passes - 1
 
 
 def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
