@@ -271,7 +271,7 @@ class Costs:
         def running(inputs):  # a pass's seconds when the guesser ran before it
             return self.latency(inputs) + rest + own
         best = best_subtree(shape, self.estimates_of(shape), running)
-        if sum(reach(best, self.estimates_of(best))) / running(best.input_count) > 1 / (self.latency(1) + rest):
+        if self.expected_tokens(best) / running(best.input_count) > 1 / (self.latency(1) + rest):
             return True
         self.idle += 1
         return False
@@ -303,8 +303,12 @@ class Costs:
     def expected_guesses(self, shape: Tree) -> float:
         """The accepted guesses expected of the part of a tree of this shape that pays, as the estimates
         stand (its evidence depends on where its nodes are, not on their tokens)."""
-        best = self.best_part(shape)
-        return sum(reach(best, self.estimates_of(best))) - 1.0
+        return self.expected_tokens(self.best_part(shape)) - 1.0
+
+    def expected_tokens(self, tree: Tree) -> float:
+        """Tokens a pass over `tree` is expected to yield, as the estimates stand: the sum of reach over
+        its nodes (the root's 1 is the token every pass yields)."""
+        return sum(reach(tree, self.estimates_of(tree)))
 
     def best_part(self, tree: Tree) -> Tree:
         """The part of `tree` that pays, as the estimates stand."""
@@ -332,7 +336,7 @@ class CostAware(Drafter):
     def propose(self):
         candidates = self.costs.timed(self.drafter.propose)
         tree = self.costs.cut(candidates)
-        self.last_cut = Cut(candidates.draft_size, tree.draft_size, sum(reach(tree, self.costs.estimates_of(tree))) - 1)
+        self.last_cut = Cut(candidates.draft_size, tree.draft_size, self.costs.expected_tokens(tree) - 1)
         return tree
 
     def after_pass(self, done):
