@@ -71,6 +71,7 @@ class CompiledModel(GraphedModel):
         """model.hidden_states, through a compiled pass where the pass fits one. A prompt's prefill (the
         first pass into a cache) runs plainly: once per answer, it would not repay its compilation."""
         if isinstance(slots, slice) and slots.start == 0:
+            self.prepared_last_pass = False
             return self.model.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, slots=slots,
                                             mask=mask)
         return super().hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
@@ -112,5 +113,6 @@ class CompiledModel(GraphedModel):
             values.index_copy_(3, step.slots, new_values)
         if first:
             self.compiled_buckets.add(bucket)
+            self.prepared_last_pass = True
             print(f"compiled in {time.perf_counter() - started:.0f} s (counted in this answer's time: the next answers "
                   "show the compiled speed)", file=sys.stderr, flush=True)

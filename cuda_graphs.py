@@ -21,7 +21,8 @@ A graph replays fixed shapes at fixed addresses, so each pass is made static:
   keys and values become views of the buffer), so the loop claims, truncates and packs slots as it
   always does, without knowing. The buffer is as large as the largest cache adopted so far, rounded
   up to a power of two (growing it drops the recorded passes).
-One graph is recorded per (inputs bucket, window) the first time a pass needs it (a few tens of ms).
+One graph is recorded per (inputs bucket, window) the first time a pass needs it (a few tens of ms,
+ten passes' worth: `prepared_last_pass` tells the loop that such a pass timed the recording, not L(n)).
 
 Passes that do not fit run the plain model: more inputs than the largest bucket (a prompt's
 prefill; on the adopted buffer, so the graphs see its K/V), a batch, or a cache that is not a
@@ -95,6 +96,7 @@ class GraphedModel:
         self.counting: torch.Tensor | None = None  # slot numbers 0, 1, ..., sliced per pass
         self.passes: dict[tuple[int, int], StaticPass] = {}  # (inputs, window) -> its recorded pass
         self.adopted = lambda: None  # a weak reference to the cache whose slots the buffer holds
+        self.prepared_last_pass = False  # whether the latest pass recorded (compiled) its static pass first
 
     def __getattr__(self, name):  # called only for what GraphedModel does not define itself
         return getattr(self.model, name)
@@ -106,6 +108,7 @@ class GraphedModel:
 
     def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
         """model.hidden_states, through a recorded pass where the pass fits one."""
+        self.prepared_last_pass = False
         if not self.adopt(cache):
             return self.model.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, slots=slots,
                                             mask=mask)
@@ -126,6 +129,7 @@ class GraphedModel:
         """Run `step`'s pass: replay its graph, recorded the first time (on a CPU: run it plainly)."""
         if step.graph is None and self.model.device.type == "cuda":
             step.graph = self.record(step)  # capturing lays the kernels down without running them
+            self.prepared_last_pass = True
         if step.graph is None:
             step.run(self.model)
         else:

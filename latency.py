@@ -87,10 +87,10 @@ class OnlineLatency:
     FIRST_PASSES = 2  # passes of a size before cost-aware drafting relies on it (measured_enough)
     SAVE_EVERY = 64  # passes between two refreshes of the saved table
     WELL_MEASURED = 8, 0.3  # passes, and the most (q3 - q1) / median, for a size to be saved
-    # a pass this many times its size's estimate measured something else: its compilation (--compile,
-    # or --cuda-graphs recording, on a size's first pass: seconds, a thousand passes' worth) or a pause
-    # of the process. Ignored, IGNORED_AT_MOST times per size (a size meets its compilation once): any
-    # more such passes are a machine that did slow down, and are believed.
+    # a pass this many times its size's estimate measured something else: a pause of the process, a
+    # kernel's first call (a pass that compiled or recorded its program comes with no time at all:
+    # decode.pass_seconds). Ignored, IGNORED_AT_MOST times per size: any more such passes are a
+    # machine that did slow down, and are believed.
     OUTLIER, IGNORED_AT_MOST = 20.0, 2
 
     def __init__(self, prior: Latency, save=None):

@@ -57,16 +57,21 @@ def test_a_compiled_pass_gives_the_plain_hidden_states_and_cache(tree_rows):
 def test_vanilla_and_trees_of_guesses_give_the_plain_models_tokens_across_windows():
     plain = float32_model()
     compiled = CompiledModel(plain)
+    timed = []  # each decoding pass's seconds, as cost-aware drafting is shown them
     for seed in (0, 1):
         prompt = random_prompt(seed)
         expected = generate(plain, prompt, max_new_tokens=100, eos_ids=set()).token_ids
-        assert generate(compiled, prompt, max_new_tokens=100, eos_ids=set()).token_ids == expected
+        assert generate(compiled, prompt, max_new_tokens=100, eos_ids=set(),
+                        on_pass=lambda done: timed.append(done.seconds)).token_ids == expected
         guessed = generate(compiled, prompt, max_new_tokens=100, eos_ids=set(),
-                           drafter=RandomGuesses(expected, VOCAB, seed=seed, nodes=12))
+                           drafter=RandomGuesses(expected, VOCAB, seed=seed, nodes=12),
+                           on_pass=lambda done: timed.append(done.seconds))
         assert guessed.token_ids == expected
         assert guessed.counts.guesses_accepted > 20  # paths accepted deep and not, their K/V kept
     assert len({window for _, window in compiled.passes}) >= 3  # windows of 8 to 256 slots, one compilation
     assert compiled.compiled_buckets >= {1, 2, 4, 8, 16}  # more than 2 rows: the packed kernel
+    # a pass that compiled timed its compilation, not L(n): it measures nothing, and only it
+    assert timed.count(0.0) == len(compiled.compiled_buckets) and min(timed) >= 0
 
 
 def test_two_compiled_models_in_one_process_each_give_their_own_tokens():

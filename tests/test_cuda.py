@@ -103,12 +103,27 @@ def test_recorded_passes_give_every_methods_vanilla_tokens_on_the_gpu():
     """--cuda-graphs on a tiny float64 model: the graphs are recorded and replayed, and every method
     gives the CPU's vanilla tokens (a prompt longer than the largest bucket is prefilled plainly)."""
     cpu, graphed = model_on("cpu"), GraphedModel(model_on("cuda"))
+    recorded, timed = [], []  # per call of the graphed model, whether it recorded a graph; per pass, (seconds, that)
+    record, hidden_states = graphed.record, graphed.hidden_states
+
+    def recording(step):
+        recorded[-1] = True
+        return record(step)
+
+    def calling(*args, **kwargs):
+        recorded.append(False)
+        return hidden_states(*args, **kwargs)
+    graphed.record, graphed.hidden_states = recording, calling
     for prompt in ([3, 1, 4, 1, 5], [(7 * i) % VOCAB for i in range(70)]):
         expected = generate(cpu, prompt, max_new_tokens=24, eos_ids=set()).token_ids
-        assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set()).token_ids == expected
+        assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set(),
+                        on_pass=lambda done: timed.append((done.seconds, recorded[-1]))).token_ids == expected
         for name, drafter in every_drafter(graphed).items():
-            assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set(), drafter=drafter).token_ids == expected, name
+            assert generate(graphed, prompt, max_new_tokens=24, eos_ids=set(), drafter=drafter,
+                            on_pass=lambda done: timed.append((done.seconds, recorded[-1]))).token_ids == expected, name
     assert len(graphed.passes) > 3 and all(step.graph is not None for step in graphed.passes.values())
+    # a pass that recorded its graph timed the recording, not L(n): it measures nothing, and only it
+    assert all((seconds == 0) == recorded_it for seconds, recorded_it in timed) and any(r for _, r in timed)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "anpd", "lookahead", "medusa", "ppd"])
