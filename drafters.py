@@ -90,7 +90,10 @@ class Pass:
     def last_extra_logits(self) -> torch.Tensor:
         """[S', V]: the logits of the extra inputs hung on the last accepted node, in row order (PPD's
         soft tokens guess from them)."""
-        return self.logits[[row - self.logits_start for row in self.tree.extra_rows(self.path[-1])]]
+        rows = [row - self.logits_start for row in self.tree.extra_rows(self.path[-1])]
+        if rows and rows[-1] - rows[0] == len(rows) - 1:  # consecutive, as PPD lays them out: a slice
+            return self.logits[rows[0]:rows[-1] + 1]  # (indexing by a list copies it to the GPU first)
+        return self.logits[rows]
 
     def outcomes(self) -> list[str]:
         """Per node: "accepted" (on the path; the root always is), "rejected" (its parent is on the

@@ -13,12 +13,12 @@ So it is known three ways, each correcting the one before:
    disagree), the machine was busy: nothing is saved, and the run relies on step 2. Concurrent first
    runs take turns (a lock): one measures, the others wait and read its table.
 2. **Corrected online** by every run (`OnlineLatency`): the loop times every pass (`Pass.seconds`),
-   and the estimate at a size the run has sent is the median of those passes. Sizes not sent are the
-   saved table scaled by the ratio measured / saved at the nearest sizes that were, so a table off by
-   a constant factor is right everywhere once one size is measured, and one wrongly shaped is
-   corrected size by size as the run sends them (a size is never made to look dearer than its
-   neighbours say by its first passes, so that it is sent again); the curve is kept non-decreasing in
-   n (`Latency`). Cost-aware drafting first sends the root alone for a couple of passes, so that what
+   and the estimate at a size the run has sent is the median of those passes (to within STEADY).
+   Sizes not sent are the saved table scaled by the ratio measured / saved at the nearest sizes that
+   were, so a table off by a constant factor is right everywhere once one size is measured, and one
+   wrongly shaped is corrected size by size as the run sends them (a size is never made to look
+   dearer than its neighbours say by its first passes, so that it is sent again); the curve is kept
+   non-decreasing in n (`Latency`). Cost-aware drafting first sends the root alone for a couple of passes, so that what
    sending nothing costs is measured too. A wrong saved table costs the first few passes, not the run.
 3. **Saved back** (calibrate.save_measured): every SAVE_EVERY passes, the sizes this run measured
    well (WELL_MEASURED: enough passes, a narrow spread) refresh the saved table, each entry keeping
@@ -92,10 +92,16 @@ class OnlineLatency:
     # decode.pass_seconds). Ignored, IGNORED_AT_MOST times per size: any more such passes are a
     # machine that did slow down, and are believed.
     OUTLIER, IGNORED_AT_MOST = 20.0, 2
+    # a trusted size whose median moved less than this fraction since the curve last took it leaves the
+    # curve as it is: refitting on every pass cost about 40 us (this CPU), a fifth of ANPD's own time
+    # per pass and more than 1% of a 2.5 ms graphed pass, to follow a median that moved less than its
+    # passes' own noise
+    STEADY = 0.01
 
     def __init__(self, prior: Latency, save=None):
         self.prior, self.save = prior, save  # save(self): refresh the saved table
         self.recent: dict[int, deque] = {}  # size -> its latest passes' seconds
+        self.medians: dict[int, float] = {}  # size -> the median of its latest passes, as the curve took it
         self.seen: dict[int, int] = {}  # size -> passes of that size shown so far
         self.curve = prior
         self.saved_passes: dict[int, int] = {}  # size -> passes of it already counted in the saved table
@@ -113,9 +119,13 @@ class OnlineLatency:
         if seconds > self.OUTLIER * self(inputs) and self.ignored.get(inputs, 0) < self.IGNORED_AT_MOST:
             self.ignored[inputs] = self.ignored.get(inputs, 0) + 1
             return
-        self.recent.setdefault(inputs, deque(maxlen=self.WINDOW)).append(seconds)
+        recent = self.recent.setdefault(inputs, deque(maxlen=self.WINDOW))
+        recent.append(seconds)
         self.seen[inputs] = self.seen.get(inputs, 0) + 1
-        self.curve = self.fitted()
+        median, taken = statistics.median(recent), self.medians.get(inputs)
+        if self.seen[inputs] <= self.TRUSTED or abs(median - taken) > self.STEADY * taken:
+            self.medians[inputs] = median
+            self.curve = self.fitted()
         if self.save and sum(self.seen.values()) % self.SAVE_EVERY == 0:
             self.save(self)
 
@@ -128,7 +138,7 @@ class OnlineLatency:
         sizes (the nearest one's beyond them). A size measured fewer than TRUSTED times is scaled by
         the lower of its own ratio and its neighbours': one pass slowed by a burst of load must not
         make a size look so dear that it is never sent again (and so never measured again)."""
-        own = {n: statistics.median(recent) / self.prior(n) for n, recent in self.recent.items()}
+        own = {n: median / self.prior(n) for n, median in self.medians.items()}
         ratio = {n: r if self.seen[n] >= self.TRUSTED or len(own) == 1
                  else min(r, interpolate({m: o for m, o in own.items() if m != n}, n)) for n, r in own.items()}
         sizes = sorted(set(self.prior.sizes) | set(ratio))

@@ -99,10 +99,16 @@ class PPDDrafter(TopKDrafter):
         self.costs = costs  # cost-aware drafting (cost_aware.Costs): soft tokens ride only where they pay
         fullest = dynamic_tree.states[max(dynamic_tree.states)]  # the tree after a node carrying them all
         self.shape = Tree.shape_of(fullest.spec, accuracy, "ppd")
+        self.layouts: dict[tuple[int, ...], ExtraInputs] = {}  # soft tokens per node -> their extra inputs (carrying)
 
     def carrying(self, tree: Tree, counts: Sequence[int]) -> Tree:
-        """`tree` with counts[i] soft tokens (all their copies) on node i."""
-        return tree.with_extra(soft_layout(counts, self.soft_tokens.ensembles, self.soft_tokens))
+        """`tree` with counts[i] soft tokens (all their copies) on node i. Each layout is made once: the
+        dynamic tree has a few states, and gathering the soft tokens' embeddings anew each pass cost a
+        copy to the GPU and a wait for it."""
+        counts = tuple(counts)
+        if counts not in self.layouts:
+            self.layouts[counts] = soft_layout(counts, self.soft_tokens.ensembles, self.soft_tokens)
+        return tree.with_extra(self.layouts[counts])
 
     def prefill_tree(self, prompt_ids):
         prompt = super().prefill_tree(prompt_ids)

@@ -6,6 +6,7 @@ once, and what a run measured well is saved back, a far-off table replaced, said
 
 import json
 import random
+import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -128,6 +129,25 @@ def test_a_pass_far_slower_than_its_estimate_measures_nothing():
     for _ in range(OnlineLatency.IGNORED_AT_MOST + OnlineLatency.TRUSTED):
         online.observe(8, 30 * TRUE(8))
     assert online(8) > 10 * TRUE(8)
+
+
+def test_the_estimate_follows_a_drifting_machine_to_within_steady(monkeypatch):
+    """Refitting only when a size's median moves by more than STEADY leaves the estimate within STEADY
+    of the median all along a slow drift and a jump; a machine that runs steadily refits rarely."""
+    online, rng = OnlineLatency(TRUE), random.Random(0)
+    fits = []
+    fitted = online.fitted
+    monkeypatch.setattr(online, "fitted", lambda: fits.append(1) or fitted())
+    steady = [TRUE(4) * rng.uniform(0.99, 1.01) for _ in range(200)]
+    drift = [TRUE(4) * (1 + 0.003 * i) * rng.uniform(0.95, 1.05) for i in range(200)]
+    jump = [3 * TRUE(4) * rng.uniform(0.95, 1.05) for _ in range(40)]
+    for phase in (steady, drift, jump):
+        fits.clear()
+        for seconds in phase:
+            online.observe(4, seconds)
+            assert online(4) == pytest.approx(statistics.median(online.recent[4]), rel=OnlineLatency.STEADY)
+        if phase is steady:
+            assert len(fits) <= OnlineLatency.TRUSTED + 5
 
 
 @given(st.lists(st.tuples(st.integers(1, 40), st.floats(1e-4, 1.0)), max_size=60),
