@@ -18,8 +18,9 @@ So it is known three ways, each correcting the one before:
    were, so a table off by a constant factor is right everywhere once one size is measured, and one
    wrongly shaped is corrected size by size as the run sends them (a size is never made to look
    dearer than its neighbours say by its first passes, so that it is sent again); the curve is kept
-   non-decreasing in n (`Latency`). Cost-aware drafting first sends the root alone for a couple of passes, so that what
-   sending nothing costs is measured too. A wrong saved table costs the first few passes, not the run.
+   non-decreasing in n (`Latency`). Cost-aware drafting first sends the root alone for a couple of
+   passes, so that what sending nothing costs is measured too. A wrong saved table costs the first
+   few passes, not the run.
 3. **Saved back** (calibrate.save_measured): every SAVE_EVERY passes, the sizes this run measured
    well (WELL_MEASURED: enough passes, a narrow spread) refresh the saved table, each entry keeping
    how many passes back it; where the run finds the saved table far off, the run's curve replaces
@@ -87,10 +88,10 @@ class OnlineLatency:
     FIRST_PASSES = 2  # passes of a size before cost-aware drafting relies on it (measured_enough)
     SAVE_EVERY = 64  # passes between two refreshes of the saved table
     WELL_MEASURED = 8, 0.3  # passes, and the most (q3 - q1) / median, for a size to be saved
-    # a pass this many times its size's estimate measured something else: a pause of the process, a
-    # kernel's first call (a pass that compiled or recorded its program comes with no time at all:
-    # decode.pass_seconds). Ignored, IGNORED_AT_MOST times per size: any more such passes are a
-    # machine that did slow down, and are believed.
+    # a pass this many times its size's estimate measured something else, a pause of the process, say
+    # (a pass that compiled or recorded its program comes with no time at all: decode.pass_seconds).
+    # Ignored, IGNORED_AT_MOST times per size: any more such passes are a machine that did slow down,
+    # and are believed.
     OUTLIER, IGNORED_AT_MOST = 20.0, 2
     # a trusted size whose median moved less than this fraction since the curve last took it leaves the
     # curve as it is: refitting on every pass cost about 40 us (this CPU), a fifth of ANPD's own time

@@ -118,9 +118,9 @@ def test_outliers_do_not_move_the_estimate():
 
 
 def test_a_pass_far_slower_than_its_estimate_measures_nothing():
-    """A size's first pass may pay a first call's costs (or the process pauses) far beyond L(n); two
-    sizes slowed one after the other must not each vouch for the other's time, and a machine that did
-    slow down is believed after a few."""
+    """A pass far slower than L(n) (the process paused) measures nothing: two sizes slowed one after
+    the other must not each vouch for the other's time, and a machine that did slow down is believed
+    after a few."""
     online = OnlineLatency(TRUE)
     for inputs in [2, 4]:
         online.observe(inputs, 30.0)
