@@ -3,7 +3,8 @@
 - The dynamic sparse tree keeps its budget, its allotment matches a hand computation, and its
   predicted tokens per pass match a simulation of its own acceptance model.
 - Greedy PPD (dynamic and static tree) equals vanilla greedy token for token on random tiny float64
-  models with random soft tokens, and on the default model with the shipped ones.
+  models with random soft tokens, and on the default model with the shipped ones; its next guesses
+  come from the last accepted node's own soft tokens, distance by distance.
 - Training on a tiny model lowers the loss with the decoding mask; artifacts save, load, and refuse
   a model they were not made for. (Sampling with PPD: test_sampling_decode.py.)
 """
@@ -33,6 +34,7 @@ from train_prompt import ppd_record_loss
 from tree import Tree, best_sparse_tree
 from cost_aware import CostAware, Costs
 from decode import generate
+from drafters import TOP_RANKS, Pass, Request
 from latency import Latency
 
 VOCAB = 16
@@ -142,6 +144,23 @@ def test_ppd_equals_vanilla_greedy(seed, prompt, max_new, eos, dynamic, size, en
         costs = Costs(Latency({1: 1.0, 64: 1.0 + 63 * input_cost}))
         drafter = CostAware(random_ppd(model, drafter_seed, size, ensembles, rows, dynamic, costs), costs)
     assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
+
+
+def test_the_next_guesses_are_the_last_accepted_nodes_own_soft_tokens_by_distance():
+    """After a pass, PPD's guesses at distance d are the top tokens of the soft token at distance d on
+    the last accepted node, averaged over its EPT copies (the rows soft_layout gives that node; the
+    layout's rows are by hand in the test below): not another node's, nor another distance's."""
+    model = model_of(0)
+    drafter = random_ppd(model, 0, 2, 2, 8, True)
+    drafter.begin(Request([1, 2, 3]))
+    # root r (carries 2 soft tokens) and its child c (carries 1), 2 copies each:
+    # rows r, c, (r,d1,g0) (r,d1,g1) (r,d2,g0) (r,d2,g1) (c,d1,g0) (c,d1,g1)
+    tree = Tree([7, 8], [-1, 0]).with_extra(soft_layout([2, 1], ensembles=2))
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for path, rows_per_distance in [([0, 1], [[6, 7]]), ([0], [[2, 3], [4, 5]])]:
+        drafter.after_pass(Pass(tree, 3, path, [9] * len(path), torch.zeros(8, 4), logits))
+        expected = [logits[rows].mean(0).topk(TOP_RANKS).indices.tolist() for rows in rows_per_distance]
+        assert drafter.candidates == expected
 
 
 def test_soft_tokens_that_never_pay_ride_along_only_on_probes():
