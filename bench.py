@@ -21,12 +21,14 @@ Lookahead drafter serves the whole run, so its trie warms up from prompt to prom
 server (and in `decode.py --prompt-file`). With --temperature > 0 every method samples (exactly, so
 outputs differ from vanilla's only by chance), each prompt with the same seed for every method.
 `--methods vanilla-again ...` times vanilla a second time among the methods: its row's distance
-from 1.00x is the noise of this run, the yardstick for a method's few percent either way. The last
-column takes the noise out: the decode phase *modelled*, each pass priced at the L(n) the run started
-from (its last table) for its number of inputs, plus the drafter's own measured time, over vanilla's
-priced alike. It shows what a method's choices (how many passes, of which sizes) are worth on this
-machine; vanilla-again is 1.00x there by construction, and a method under it loses by its own
-decisions, not by a busy machine.
+from 1.00x is the noise of this run, the yardstick for a method's few percent either way. The
+modelled column takes the noise out: the decode phase *modelled*, each pass priced at the L(n) the
+run started from (its last table) for its number of inputs, plus the drafter's own measured time,
+over vanilla's priced alike. It shows what a method's choices (how many passes, of which sizes) are
+worth on this machine; vanilla-again is 1.00x there by construction, and a method under it loses by
+its own decisions, not by a busy machine. The last column is the drafter's own time per pass
+(proposing, learning, the cost-aware ranking), which every pass pays, guesses sent or not: next to
+a 20 ms pass on a CPU it is a few percent, next to a 2.5 ms pass replayed on a GPU a quarter or more.
 
 `speculative` runs the draft-model method on the same prompts for each --gammas value and prints
 the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
@@ -188,6 +190,13 @@ class Tally:
         if self.pass_inputs is None:
             return None
         return sum(count * latency(inputs) for inputs, count in self.pass_inputs.items()) + self.draft_seconds
+
+    @property
+    def drafting_ms_per_pass(self) -> float | None:
+        """The drafter's own milliseconds per pass of the decode phase (proposing, learning, cost-aware
+        drafting's ranking): paid on every pass, guesses sent or not (None where the passes are not ours)."""
+        passes = sum(self.pass_inputs.values()) if self.pass_inputs is not None else 0
+        return 1e3 * self.draft_seconds / passes if passes else None
 
     @property
     def decode_tokens_per_second(self) -> float | None:
@@ -395,7 +404,7 @@ def report_category(report, dtype_name, category, tallies, args, latency):
         rows.append([name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, own),
                      decode, decode / own.decode_tokens_per_second if decode else None,
                      f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None,
-                     modelled_speedup(t, vanilla, latency)])
+                     modelled_speedup(t, vanilla, latency), t.drafting_ms_per_pass])
     report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}, "
                  f"best of {args.runs} runs" + ("; llama.cpp's speedups are over its own vanilla" if (
                      LLAMA_CPP[0] in tallies) else ""),
@@ -404,7 +413,8 @@ def report_category(report, dtype_name, category, tallies, args, latency):
                   Column("decode_tokens_per_second", "decode tokens/s", "{:.1f}"),
                   Column("decode_speedup", "decode speedup", "{:.2f}x"),
                   Column("same_as_vanilla", "output = vanilla"),
-                  Column("modelled_speedup", "decode speedup modelled from L(n)", "{:.2f}x")], rows,
+                  Column("modelled_speedup", "decode speedup modelled from L(n)", "{:.2f}x"),
+                  Column("drafting_ms_per_pass", "drafting ms a pass", "{:.2f}")], rows,
                  kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
                  new_tokens=args.new_tokens, temperature=args.temperature, runs=args.runs)
 

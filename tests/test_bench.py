@@ -6,6 +6,7 @@ import ast
 import itertools
 import json
 import stat
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,14 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
     assert rows["llama.cpp lookup"]["same_as_vanilla"] == "0/1"  # it printed "ANSWER", not vanilla's text
     assert rows["llama.cpp lookup"]["modelled_speedup"] is None  # (its passes are its own)
     assert all(rows[m]["modelled_speedup"] > 0 for m in ["anpd", "auto", bench.HINDSIGHT])
+    assert rows["llama.cpp lookup"]["drafting_ms_per_pass"] is None and rows["auto"]["drafting_ms_per_pass"] > 0
+
+
+def test_drafting_time_is_per_pass_of_the_decode_phase():
+    tally = bench.Tally()
+    tally.add_run(bench.Run(31, 31, 1.0, 0.9, True, pass_inputs=Counter({1: 10, 4: 20}), draft_seconds=0.03))
+    assert tally.drafting_ms_per_pass == pytest.approx(1.0)  # 30 ms over the 30 passes after the prefill
+    assert bench.Tally().drafting_ms_per_pass is None
 
 
 def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(tmp_path, monkeypatch, default_model):
