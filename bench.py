@@ -89,10 +89,10 @@ from apar import FORK_BIAS, MAX_FORK_BIAS
 from apar_finetune import STRUCTURED, held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact
-from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
+from calibrate import LATENCY_SIZES, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
-from cpu_kernels import MEMORY_FLOOR, Linear, kernel_times, prepare_kernels
+from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, kernel_times, prepare_kernels
 from cpu_compiled import CompiledModel, require_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from decode import generate

@@ -22,7 +22,6 @@ from its own passes (latency.OnlineLatency) and `save_measured` writes what it m
 """
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
+from cpu_kernels import Linear, cpu_name
 from cuda_graphs import GraphedModel
 from decode import generate, score_tree
 from errors import TooFewRows
@@ -194,17 +194,10 @@ def machine_key(model) -> str:
     if isinstance(model, GraphedModel):  # its passes cost what the plain model's do not
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
+    kernels = {m.MAX_BLOCKED_ROWS for m in model.modules() if isinstance(m, Linear)}
+    if model.device.type == "cpu" and dtype == "float32" and kernels == {1}:  # a 2-row pass went to oneDNN
+        dtype += ", 2 rows by oneDNN"  # (cpu_kernels.blocked_rows): its L(n) is not the bmm's
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def latency_file():

@@ -7,9 +7,13 @@ manage neither. `python bench.py latency --dtypes float32 bfloat16` measures the
 default model's matrices (`kernel_times`: 30 layers' four and the LM head, in a step's order, so they
 stream from RAM as in a real step); the kernels below are its winners on 2 AMD EPYC cores
 (docs/constants.md has the table):
-- float32, 1-`MAX_BLOCKED_ROWS` rows (vanilla decoding, a single guess): W split into blocks of
-  `BLOCK_ROWS` rows (a free view), all multiplied by x in one `torch.bmm`, keeping each block in
-  cache: 18 ms for 1 row, 19 for 2 (F.linear, MKL: 51 and 88; oneDNN below: 27 and 29);
+- float32, 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all
+  multiplied by x in one `torch.bmm`, keeping each block in cache: 18 ms for 1 row (F.linear, MKL:
+  51; oneDNN below: 27);
+- float32, 2 rows (a single guess): whichever of the two is faster on this CPU, measured when a
+  model that guesses is loaded (`blocked_rows`): the machines these were measured on disagree (blocked 19 ms
+  against oneDNN's 29 on one, 18.1 against 15.8 on another), and a slow 2-row pass made a single
+  guess dearer than three (L(2) 24 ms, L(4) 21);
 - float32, 3-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out
   once for it (`mkldnn._reorder_linear_weight`; made by `prepare_kernels` or on first use): 25 ms
   for 3 rows, 22 for 6 (blocked: 28 and 42). It costs a second copy of the weights;
@@ -27,6 +31,7 @@ kernel accumulates in float32 and rounds the output to bfloat16, so results agre
 rounding (tests/test_cpu_kernels.py).
 """
 
+import platform
 import time
 import weakref
 
@@ -39,7 +44,7 @@ class Linear(nn.Linear):
     """y = x W^T, with the kernel picked by dtype and by how many rows x has (see the module docstring)."""
 
     BLOCK_ROWS = 64
-    MAX_BLOCKED_ROWS = 2
+    MAX_BLOCKED_ROWS = 2  # at most; `prepare_kernels` sets each layer's own (1 or 2) by this CPU's measurement
     MAX_PACKED_ROWS = 64
 
     def forward(self, x):
@@ -125,12 +130,45 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     """Lay out the weights of a CPU model whose passes feed up to `max_rows` rows (1: vanilla; the
     default: trees of guesses) for the kernels that need it now, rather than in the first pass (about half a
-    second for the default model), so that pass's timing is not skewed. A float32 model that only
-    decodes plainly needs no second copy."""
-    for module in model.modules():
-        if isinstance(module, Linear) and any(module.kernel(model.device, model.dtype, rows) == "packed"
-                                              for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
+    second for the default model), so that pass's timing is not skewed, and give a float32 model that
+    guesses this CPU's faster kernel for 2 rows (`blocked_rows`). A float32 model that only decodes
+    plainly needs no second copy."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if max_rows >= 2 and linears and model.device.type == "cpu" and model.dtype == torch.float32 and ONEDNN:
+        limit = blocked_rows(linears)
+        for module in linears:
+            module.MAX_BLOCKED_ROWS = limit  # the layer's own, over the class's
+    for module in linears:
+        if any(module.kernel(model.device, model.dtype, rows) == "packed"
+               for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
             packed_copy(module.weight)
+
+
+BLOCKED_ROWS: dict[tuple, int] = {}  # the weights' shapes -> blocked_rows' measured choice, in this process
+
+
+def blocked_rows(linears: list[Linear]) -> int:
+    """How many rows, 1 or 2, the blocked bmm multiplies on this CPU (fewer go to oneDNN): 2 where it
+    beats oneDNN at 2 rows through `linears` (a float32 model's layers, in a step's order). Measured once
+    per process and set of weight shapes (about 0.3 s for the default model), when a model that guesses
+    is loaded."""
+    linears = [m for m in linears if m.out_features % m.BLOCK_ROWS == 0]  # the others never take the bmm
+    shapes = tuple(sorted({tuple(m.weight.shape) for m in linears}))
+    if linears and shapes not in BLOCKED_ROWS:
+        with torch.no_grad():
+            ms = kernel_times(linears, [2], repeats=9, names=["blocked", "packed"])
+        BLOCKED_ROWS[shapes] = 2 if ms["blocked", 2] <= ms["packed", 2] else 1
+    return BLOCKED_ROWS.get(shapes, Linear.MAX_BLOCKED_ROWS)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
@@ -138,7 +176,8 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
 MEMORY_FLOOR = "read W once"  # kernel_times' yardstick: no product, each weight summed
 
 
-def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15) -> dict[tuple[str, int], float]:
+def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
+                 names: list[str] | None = None) -> dict[tuple[str, int], float]:
     """{(kernel, rows): ms} for one pass of `rows` input rows through `linears` (a model's linear
     layers in the order a step runs them, so that they stream from memory as in a real step), per
     candidate kernel for their dtype; the median of `repeats` passes, candidates and sizes
@@ -151,8 +190,11 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15)
         candidates["packed"] = lambda m, x: packed_product(x, m.weight)
     if weight.dtype == torch.float32:
         candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
-    inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, dtype=weight.dtype) for m in linears}
-              for rows in rows_list}
+    if names is not None:  # only these
+        candidates = {name: candidates[name] for name in names}
+    generator = torch.Generator().manual_seed(0)  # (not the global one: loading a model draws nothing from it)
+    inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, generator=generator).to(weight.dtype)
+                     for m in linears} for rows in rows_list}
     times = {(name, rows): [] for name in candidates for rows in rows_list}
     for round_ in range(repeats + 1):  # round 0 warms up (and lays out the packed weights)
         for rows in rows_list:

@@ -38,8 +38,7 @@ import artifacts
 from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
 from apar_finetune import (STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
                            looks_list_style, packs, repetitive, training_example)
-from calibrate import cpu_name
-from cpu_kernels import bfloat16_kernels
+from cpu_kernels import bfloat16_kernels, cpu_name
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable

@@ -317,7 +317,9 @@ def test_a_bfloat16_step_is_the_float32_step_to_bfloat16_precision():
     model.requires_grad_(False)
     example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n") + [EOS], tok, CONTROL)
     adapter = AparAdapter(model, CONTROL, rank=4, seed=0)
-    torch.nn.init.normal_(adapter.up["layers_0_attention_wo"], std=0.1)
+    # seeded: drawn from the global generator, the test passed or failed by what earlier tests drew
+    # (cosine 0.967 once; 0.990-0.999 over seeds 0-29 of this generator)
+    torch.nn.init.normal_(adapter.up["layers_0_attention_wo"], std=0.1, generator=torch.Generator().manual_seed(0))
     handles = adapter.attach(model)
     gradients, losses = {}, {}
     for precision in ("float32", "bfloat16"):

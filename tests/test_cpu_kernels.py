@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 
 from helpers import cheap, random_model, tiny_hf_config
 
+import calibrate
 import cpu_kernels
 from cpu_kernels import Linear, bfloat16_kernels, prepare_kernels
 
@@ -27,10 +28,11 @@ def linear(out_features, in_features, dtype=torch.float32, seed=0):
 
 @cheap
 @given(rows=st.integers(1, Linear.MAX_PACKED_ROWS + 3), out_blocks=st.integers(1, 4), ragged=st.booleans(),
-       batched=st.booleans())
-def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched):
+       batched=st.booleans(), blocked_rows=st.sampled_from([1, 2]))
+def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched, blocked_rows):
     out_features = out_blocks * Linear.BLOCK_ROWS + (7 if ragged else 0)  # ragged: no 64-row blocks
     layer = linear(out_features, 48)
+    layer.MAX_BLOCKED_ROWS = blocked_rows  # either choice prepare_kernels may make on a CPU
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
     x = x.view(1, rows, 48) if batched else x
     expected = F.linear(x.double(), layer.weight.double())
@@ -89,6 +91,29 @@ def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype):
     assert laid_out == [dtype == torch.bfloat16] * len(linears)
     prepare_kernels(model)  # trees of guesses
     assert all(has_packed_copy(m) for m in linears) == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("faster", ["blocked", "packed"])
+def test_two_rows_take_the_kernel_this_cpu_measured_faster_once(faster, monkeypatch):
+    """prepare_kernels gives a float32 model that guesses the faster kernel at 2 rows, measured once per
+    process (a second model of the same shapes is not measured again); L(n)'s key says which."""
+    monkeypatch.setattr(cpu_kernels, "BLOCKED_ROWS", {})
+    slower = {"blocked": "packed", "packed": "blocked"}[faster]
+    monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: {(faster, 2): 10.0, (slower, 2): 11.0})
+    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=torch.float32)  # rows: 64s
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    prepare_kernels(model, 1)  # vanilla: one row, the bmm's, nothing measured
+    assert not cpu_kernels.BLOCKED_ROWS
+    prepare_kernels(model)
+    picks = {m.kernel(model.device, torch.float32, 2) for m in linears}
+    if cpu_kernels.ONEDNN:
+        assert picks == {faster}
+        assert {m.kernel(model.device, torch.float32, 1) for m in linears} == {"blocked"}
+    assert ("2 rows by oneDNN" in calibrate.machine_key(model)) == (faster == "packed" and cpu_kernels.ONEDNN)
+    monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: pytest.fail("measured again"))
+    again = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), seed=1, dtype=torch.float32)
+    prepare_kernels(again)
+    assert {m.kernel(again.device, torch.float32, 2) for m in again.modules() if isinstance(m, Linear)} == picks
 
 
 def has_packed_copy(linear: Linear) -> bool:
