@@ -138,14 +138,15 @@ class SlotCache(KVCache):
 
 # ---- loading: the base model with the adapter merged ---------------------------------------------
 
-ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go
+ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low-rank updates go (default)
+ADAPTABLE_LINEARS = ADAPTED_LINEARS + ("mlp.w_gate_up", "mlp.w_down")  # where train_prompt.py --adapt may put them
 
 
-def adapted_linears(model) -> dict[str, torch.nn.Module]:
-    """The Linear modules the adapter changes, by name ("layers.3.attention.wqkv")."""
+def adapted_linears(model, names=ADAPTED_LINEARS) -> dict[str, torch.nn.Module]:
+    """The Linear modules an adapter of `names` (per layer) changes, by name ("layers.3.attention.wqkv")."""
     modules = dict(model.named_modules())
     return {f"layers.{i}.{name}": modules[f"layers.{i}.{name}"]
-            for i in range(model.config.num_layers) for name in ADAPTED_LINEARS}
+            for i in range(model.config.num_layers) for name in names}
 
 
 def with_control_rows(weight: torch.Tensor, control: ControlTokens, rows: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,9 @@ def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlToken
     tied to the LM head, set to their trained values."""
     require_tied_embeddings(model)
     wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
-    for name, linear in adapted_linears(model).items():
+    modules = dict(model.named_modules())
+    for name in [key.removesuffix(".up") for key in tensors if key.endswith(".up")]:  # what it was trained on
+        linear = modules[name]
         update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
         linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
                                            requires_grad=False)

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apar import adapted_linears, with_control_rows
+from apar import ADAPTED_LINEARS, adapted_linears, with_control_rows
 from self_distill import held_out_prompts, training_prompts, usable_prompts
 from tree import Tree
 
@@ -326,12 +326,13 @@ class AparAdapter(nn.Module):
     et al. 2021; `up` starts at zero, so training starts from the base model) and the [Fork] /
     [Child] embedding rows. Forward hooks add the updates, so the base weights stay untouched."""
 
-    def __init__(self, model, control, rank: int, seed: int):
+    def __init__(self, model, control, rank: int, seed: int, adapted=ADAPTED_LINEARS):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.names = list(adapted_linears(model))
+        self.linears = adapted_linears(model, adapted)  # name -> the Linear it updates
+        self.names = list(self.linears)
         self.down, self.up = nn.ParameterDict(), nn.ParameterDict()
-        for name, linear in adapted_linears(model).items():
+        for name, linear in self.linears.items():
             out_features, in_features = linear.weight.shape
             key = name.replace(".", "_")  # a ParameterDict key cannot hold dots
             self.down[key] = nn.Parameter(torch.randn(rank, in_features, generator=generator) * in_features ** -0.5)
@@ -342,8 +343,8 @@ class AparAdapter(nn.Module):
         """Hook the updates into the model's Linears; returns the handles (call .remove() on each)."""
         def hook(key):
             return lambda module, inputs, output: output + (inputs[0] @ self.down[key].T) @ self.up[key].T
-        return [linear.register_forward_hook(hook(name.replace(".", "_")))
-                for name, linear in adapted_linears(model).items()]
+        modules = dict(model.named_modules())
+        return [modules[name].register_forward_hook(hook(name.replace(".", "_"))) for name in self.names]
 
     def start_from(self, tensors: dict[str, torch.Tensor]) -> None:
         """Continue from a trained adapter's tensors (as `tensors` gives them) instead of the start

@@ -18,7 +18,8 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 - Medusa-1 (Cai et al. 2024, section 2.2.1): medusa.medusa_loss, on the frozen base model's hidden
   states, computed once and cached beside the data;
 - APAR (Liu et al. 2024, sections 2.2 and 3.1): apar_finetune.apar_logits, the paragraph tree in one
-  pass with the tree attention mask; a rank-16 LoRA adapter plus the two control tokens' rows. APAR
+  pass with the tree attention mask; a rank-16 LoRA adapter (on each layer's attention projections,
+  or the ones --adapt names) plus the two control tokens' rows. APAR
   ends with held-out loss and how well [Fork] is placed instead of guess accuracies.
 """
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import artifacts
-from apar import ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
+from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
 from apar_finetune import (STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
                            looks_list_style, packs, repetitive, training_example)
 from cpu_kernels import bfloat16_kernels, cpu_name
@@ -248,6 +249,7 @@ def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict
 
 def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     require_tied_embeddings(model)
+    adapted = [name for name in ADAPTABLE_LINEARS if name in args.adapt]  # (in one order, each once)
     control = ControlTokens.of(tokenizer)
     training, held_out = (apar_examples(r, tokenizer, control, args.unstructured_share, args.min_points)
                           for r in (training, held_out))
@@ -257,7 +259,7 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
           f"threads and control tokens), deciles: {deciles}", file=sys.stderr)
     order = torch.randperm(len(training), generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = packs([training[i] for i in order], args.batch_tokens)  # each step: examples packed in one sequence
-    adapter = AparAdapter(model, control, args.rank, args.seed).to(model.device)
+    adapter = AparAdapter(model, control, args.rank, args.seed, adapted).to(model.device)
     tensors, started_from = args.earlier_adapter or (None, None)
     if tensors is not None:
         adapter.start_from(tensors)
@@ -278,7 +280,7 @@ def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
     finally:
         for handle in handles:
             handle.remove()
-    return adapter.tensors(), {"rank": args.rank, "adapted": list(ADAPTED_LINEARS), "examples": kinds,
+    return adapter.tensors(), {"rank": args.rank, "adapted": adapted, "examples": kinds,
                                "tokens_per_example_deciles": deciles,
                                "control_tokens": {"fork": FORK_TOKEN, "child": CHILD_TOKEN}, **evaluation,
                                **({"started_from": started_from} if started_from else {})}
@@ -299,6 +301,9 @@ def earlier_adapter(model, args) -> tuple[dict, dict]:
     found = next(t.shape[0] for name, t in tensors.items() if name.endswith(".down"))
     if found != args.rank:
         raise UserError(f"--from-adapter {args.from_adapter} has rank {found}; give --rank {found}")
+    adapted = meta.get("adapted", list(ADAPTED_LINEARS))
+    if set(adapted) != set(args.adapt):
+        raise UserError(f"--from-adapter {args.from_adapter} adapts {' '.join(adapted)}; give --adapt {' '.join(adapted)}")
     return tensors, {"adapter": str(args.from_adapter), "training": {k: v for k, v in meta["training"].items()
                                                                       if k != "runs"}}
 
@@ -472,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="continue training this adapter (PATH.safetensors and PATH.json, made with the same "
                            "--records, --max-prompt-tokens and --rank) instead of starting afresh")
     apar.add_argument("--rank", type=integer(1, 256), default=16, help="rank of the low-rank (LoRA) updates, 1..256")
+    apar.add_argument("--adapt", nargs="+", choices=ADAPTABLE_LINEARS, default=list(ADAPTED_LINEARS), metavar="LINEAR",
+                      help="each layer's projections that get a low-rank update: "
+                           f"{', '.join(ADAPTABLE_LINEARS)} (default: {' '.join(ADAPTED_LINEARS)})")
     apar.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     apar.add_argument("--unstructured-share", type=number(0.0, 100.0), default=1.0,
                       help="negative (unstructured) examples per structured one; the paper mixes 1:1")

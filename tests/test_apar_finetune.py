@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import apar_finetune
 from apar import ControlTokens
-from apar import apply_adapter
+from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, apply_adapter
 from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)
 from helpers import cheap, random_model, scripted_apar, tiny_hf_config, tiny_model
@@ -216,15 +216,18 @@ def test_an_adapter_continued_from_starts_where_it_ended():
     assert all(torch.equal(continued.tensors()[name], tensor) for name, tensor in trained.tensors().items())
 
 
-def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_did():
+@pytest.mark.parametrize("adapted", [ADAPTED_LINEARS, ADAPTABLE_LINEARS, ("mlp.w_down",)])
+def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_did(adapted):
     """A few steps of train_prompt.py's APAR loss on one hand-made tree lower it; then apply_adapter
-    (W += up @ down, control rows set) gives the logits the hooked training model gave."""
+    (W += up @ down for the projections the adapter has, control rows set) gives the logits the hooked
+    training model gave, whichever projections were adapted (--adapt)."""
     tok = CharTokenizer()
     model = random_model(tiny_hf_config(vocab=160, tied=True), seed=4)
     model.requires_grad_(False)
     example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third.\n")
                                + [EOS], tok, CONTROL)
-    adapter = AparAdapter(model, CONTROL, rank=4, seed=0).double()
+    adapter = AparAdapter(model, CONTROL, rank=4, seed=0, adapted=adapted).double()
+    assert {name.split(".", 2)[2] for name in adapter.names} == set(adapted)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
     handles = adapter.attach(model)
     losses = []

@@ -97,11 +97,14 @@ def test_apar_stops_an_answer_once_it_loops():
     assert not stop(points) and stop(points + loop)
 
 
-@pytest.mark.parametrize("records, rank, fragment", [
-    (None, 4, "no apar artifact at"), (600, 4, "was trained with --records 600, this round has 3000"),
-    (3000, 8, "has rank 4; give --rank 4")])
-def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path, tiny_folder, records, rank, fragment):
-    """--from-adapter must have held out the prompts this round holds out, and have its rank."""
+@pytest.mark.parametrize("records, rank, adapt, fragment", [
+    (None, 4, [], "no apar artifact at"), (600, 4, [], "was trained with --records 600, this round has 3000"),
+    (3000, 8, [], "has rank 4; give --rank 4"),
+    (3000, 4, ["--adapt", "mlp.w_down"], "adapts attention.wqkv attention.wo; give --adapt attention.wqkv attention.wo")])
+def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path, tiny_folder, records, rank, adapt,
+                                                                fragment):
+    """--from-adapter must have held out the prompts this round holds out, and have its rank and its
+    adapted projections (an adapter from before --adapt adapted the default ones)."""
     import artifacts
     from model import load_checkpoint
 
@@ -112,7 +115,7 @@ def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path
         artifacts.save(tmp_path / "earlier", {"control_embeddings": torch.zeros(2, 8),
                                               "layers.0.attention.wo.down": torch.zeros(4, 8)}, meta)
     code = train_prompt.main(["apar", "--model", str(tiny_folder), "--from-adapter", str(tmp_path / "earlier"),
-                              "--rank", str(rank), "--out", str(tmp_path / "new")])
+                              "--rank", str(rank), "--out", str(tmp_path / "new"), *adapt])
     err = capsys.readouterr().err
     assert code == 1 and err.count("error:") == 1 and fragment in err and "Traceback" not in err
     assert "self-distilled" not in err  # refused before the answers are made
