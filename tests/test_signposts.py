@@ -51,6 +51,7 @@ def traced(run) -> set[tuple[str, str]]:
 
 def trace_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
     """Per method, the functions that building it and decoding PROMPT with it ran."""
+    import cpu_kernels
     from decode import generate
     from methods import METHODS, apar_engine, build_drafter, default_options
     from model import load_checkpoint
@@ -65,6 +66,8 @@ def trace_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
             method, options = METHODS[name], default_options()
             if method.engine:  # APAR changes the model it is given: a copy of its own
                 apar_model = load_checkpoint(model_dir, torch.float32)
+                cpu_kernels.BLOCKED_ROWS.clear()  # as in a fresh process, whatever ran before: loading it
+                # measures the 2-row kernel (cpu_kernels.blocked_rows)
                 found[name] = traced(lambda: apar_engine(options, apar_model, tokenizer).generate(
                     ids, max_new_tokens=NEW_TOKENS, eos_ids=tokenizer.eos_ids))
                 continue
