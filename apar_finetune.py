@@ -329,10 +329,10 @@ class AparAdapter(nn.Module):
     def __init__(self, model, control, rank: int, seed: int, adapted=ADAPTED_LINEARS):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.linears = adapted_linears(model, adapted)  # name -> the Linear it updates
-        self.names = list(self.linears)
+        linears = adapted_linears(model, adapted)  # name -> the Linear it updates
+        self.names = list(linears)
         self.down, self.up = nn.ParameterDict(), nn.ParameterDict()
-        for name, linear in self.linears.items():
+        for name, linear in linears.items():
             out_features, in_features = linear.weight.shape
             key = name.replace(".", "_")  # a ParameterDict key cannot hold dots
             self.down[key] = nn.Parameter(torch.randn(rank, in_features, generator=generator) * in_features ** -0.5)
