@@ -142,6 +142,13 @@ ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low
 ADAPTABLE_LINEARS = ADAPTED_LINEARS + ("mlp.w_gate_up", "mlp.w_down")  # where train_prompt.py --adapt may put them
 
 
+def adapted_in(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Which of each layer's Linears an adapter's tensors update ("attention.wqkv", ...): what
+    apply_adapter merges, read from the same names ("layers.3.attention.wqkv.up")."""
+    found = {key.removesuffix(".up").split(".", 2)[2] for key in tensors if key.endswith(".up")}
+    return [name for name in ADAPTABLE_LINEARS if name in found]
+
+
 def adapted_linears(model, names=ADAPTED_LINEARS) -> dict[str, torch.nn.Module]:
     """The Linear modules an adapter of `names` (per layer) changes, by name ("layers.3.attention.wqkv")."""
     modules = dict(model.named_modules())

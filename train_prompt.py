@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import artifacts
-from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, require_tied_embeddings
+from apar import (ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_in,
+                  require_tied_embeddings)
 from apar_finetune import (STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
                            looks_list_style, packs, repetitive, training_example)
 from cpu_kernels import bfloat16_kernels, cpu_name
@@ -301,7 +302,7 @@ def earlier_adapter(model, args) -> tuple[dict, dict]:
     found = next(t.shape[0] for name, t in tensors.items() if name.endswith(".down"))
     if found != args.rank:
         raise UserError(f"--from-adapter {args.from_adapter} has rank {found}; give --rank {found}")
-    adapted = meta.get("adapted", list(ADAPTED_LINEARS))
+    adapted = adapted_in(tensors)
     if set(adapted) != set(args.adapt):
         raise UserError(f"--from-adapter {args.from_adapter} adapts {' '.join(adapted)}; give --adapt {' '.join(adapted)}")
     return tensors, {"adapter": str(args.from_adapter), "training": {k: v for k, v in meta["training"].items()

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import apar_finetune
 from apar import ControlTokens
-from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, apply_adapter
+from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, adapted_in, apply_adapter
 from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)
 from helpers import cheap, random_model, scripted_apar, tiny_hf_config, tiny_model
@@ -227,7 +227,7 @@ def test_training_lowers_the_loss_and_the_merged_adapter_computes_what_training_
     example = training_example([7, 8], tok.encode("1. Aa: first detail!\n2. Bb: second one!!\n3. Cc: third.\n")
                                + [EOS], tok, CONTROL)
     adapter = AparAdapter(model, CONTROL, rank=4, seed=0, adapted=adapted).double()
-    assert {name.split(".", 2)[2] for name in adapter.names} == set(adapted)
+    assert {name.split(".", 2)[2] for name in adapter.names} == set(adapted) == set(adapted_in(adapter.tensors()))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
     handles = adapter.attach(model)
     losses = []

@@ -104,7 +104,7 @@ def test_apar_stops_an_answer_once_it_loops():
 def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path, tiny_folder, records, rank, adapt,
                                                                 fragment):
     """--from-adapter must have held out the prompts this round holds out, and have its rank and its
-    adapted projections (an adapter from before --adapt adapted the default ones)."""
+    adapted projections (read from its tensors, as decoding merges them)."""
     import artifacts
     from model import load_checkpoint
 
@@ -112,8 +112,9 @@ def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path
     if records is not None:
         meta = {"kind": "apar", "model": artifacts.model_fingerprint(model),
                 "training": {"settings": {"records": records, "max_prompt_tokens": 192}}}
-        artifacts.save(tmp_path / "earlier", {"control_embeddings": torch.zeros(2, 8),
-                                              "layers.0.attention.wo.down": torch.zeros(4, 8)}, meta)
+        lora = {f"layers.0.attention.{name}.{part}": torch.zeros(shape) for name in ("wqkv", "wo")
+                for part, shape in (("up", (8, 4)), ("down", (4, 8)))}
+        artifacts.save(tmp_path / "earlier", {"control_embeddings": torch.zeros(2, 8), **lora}, meta)
     code = train_prompt.main(["apar", "--model", str(tiny_folder), "--from-adapter", str(tmp_path / "earlier"),
                               "--rank", str(rank), "--out", str(tmp_path / "new"), *adapt])
     err = capsys.readouterr().err
