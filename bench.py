@@ -93,8 +93,8 @@ from calibrate import LATENCY_SIZES, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, kernel_times, prepare_kernels
-from cpu_compiled import CompiledModel, require_cpu
-from cuda_graphs import GraphedModel, require_gpu
+from cpu_compiled import require_cpu
+from cuda_graphs import require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
@@ -102,7 +102,7 @@ from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserE
 from latency import Latency
 from lists_due import list_due
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
-                     apar_guesser, build_drafter, default_options, refuse_idle, spoken_list)
+                     apar_guesser, build_drafter, decoding_model, default_options, refuse_idle, spoken_list)
 from model import DTYPES, load_checkpoint, parse_device
 from progress import Progress
 from sampling import Sampling
@@ -300,19 +300,6 @@ class LlamaCppPeer:
         # each decoding pass yields its accepted guesses + 1 token; the prompt's pass yields the first
         return Run(tokens, tokens - accepted, prefill_seconds + decode_seconds, decode_seconds,
                    vanilla_text in done.stdout)
-
-
-def decoding_model(model, args):
-    """`model` as --cuda-graphs or --compile run its decoding passes. Compiled, TorchDynamo first drops
-    the programs compiled for earlier models in this process (an earlier --dtypes'): kept, they slowed
-    the next one (`bench.py latency --compile`, compiled vanilla in bfloat16: 69.7-72.4 tokens/s after
-    float32's, 78.1-80.3 alone; docs/results.md)."""
-    if args.cuda_graphs:
-        return GraphedModel(model)
-    if args.compile:
-        torch._dynamo.reset()
-        return CompiledModel(model)
-    return model
 
 
 def bench_methods(args, tokenizer, report):

@@ -384,6 +384,19 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def decoding_model(model, args):
+    """`model` as --cuda-graphs or --compile run its decoding passes. Compiled, TorchDynamo first drops
+    the programs compiled for earlier models in this process (bench.py's earlier --dtypes): kept, they
+    slowed the next one (`bench.py latency --compile`, compiled vanilla in bfloat16: 69.7-72.4 tokens/s
+    after float32's, 78.1-80.3 alone; docs/results.md)."""
+    if args.cuda_graphs:
+        return GraphedModel(model)
+    if args.compile:
+        torch._dynamo.reset()
+        return CompiledModel(model)
+    return model
+
+
 def load(args, method: Method):
     """The model and tokenizer the options name, with a progress line on stderr."""
     device = parse_device(args.device)
@@ -402,10 +415,7 @@ def load(args, method: Method):
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
     if method.engine is None:  # (apar's weights change first: its engine lays them out after the adapter)
         prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1)
-    if args.cuda_graphs:
-        model = GraphedModel(model)
-    if args.compile:
-        model = CompiledModel(model)
+    model = decoding_model(model, args)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",

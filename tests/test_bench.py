@@ -13,6 +13,7 @@ import pytest
 
 import bench
 import bench_data
+import methods
 from errors import UserError
 
 FAKE_LOOKUP = """#!/usr/bin/env bash
@@ -284,7 +285,7 @@ def test_adapters_are_compared_on_the_lists_none_of_them_trained_on(held_out, tm
 
 
 def options_read(function: str, functions: dict, seen: set) -> set[str]:
-    """The `args.X` a bench.py function reads, and those of the bench.py functions it calls."""
+    """The `args.X` a function of `functions` reads, and those of the functions of `functions` it calls."""
     if function in seen or function not in functions:
         return set()
     seen.add(function)
@@ -298,8 +299,10 @@ def options_read(function: str, functions: dict, seen: set) -> set[str]:
 
 
 def test_each_benchmark_refuses_exactly_the_options_it_does_not_read():
-    tree = ast.parse(Path(bench.__file__).read_text())
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    functions = {}  # bench.py's, and methods.py's that it shares with decode.py (decoding_model)
+    for module in (methods, bench):
+        tree = ast.parse(Path(module.__file__).read_text())
+        functions |= {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     options = {a.dest for a in bench.build_parser()._actions if a.option_strings} - {"help", "out", "plot"}
     for what, reads in bench.READS.items():
         read = options_read(f"bench_{what}", functions, set()) | ({"dtypes"} if what == "latency" else set())
