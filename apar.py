@@ -142,10 +142,15 @@ ADAPTED_LINEARS = ("attention.wqkv", "attention.wo")  # per layer: where the low
 ADAPTABLE_LINEARS = ADAPTED_LINEARS + ("mlp.w_gate_up", "mlp.w_down")  # where train_prompt.py --adapt may put them
 
 
+def updated_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The Linears an adapter's tensors update, by name ("layers.3.attention.wqkv", from its
+    "layers.3.attention.wqkv.up" and ".down"): what apply_adapter merges."""
+    return [key.removesuffix(".up") for key in tensors if key.endswith(".up")]
+
+
 def adapted_in(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Which of each layer's Linears an adapter's tensors update ("attention.wqkv", ...): what
-    apply_adapter merges, read from the same names ("layers.3.attention.wqkv.up")."""
-    found = {key.removesuffix(".up").split(".", 2)[2] for key in tensors if key.endswith(".up")}
+    """Which of each layer's Linears an adapter's tensors update ("attention.wqkv", ...)."""
+    found = {name.split(".", 2)[2] for name in updated_linears(tensors)}
     return [name for name in ADAPTABLE_LINEARS if name in found]
 
 
@@ -179,7 +184,7 @@ def apply_adapter(model, tensors: dict[str, torch.Tensor], control: ControlToken
     require_tied_embeddings(model)
     wide = torch.promote_types(model.dtype, torch.float32)  # bfloat16 weights are merged in float32
     modules = dict(model.named_modules())
-    for name in [key.removesuffix(".up") for key in tensors if key.endswith(".up")]:  # what it was trained on
+    for name in updated_linears(tensors):  # what it was trained on
         linear = modules[name]
         update = tensors[f"{name}.up"].to(wide) @ tensors[f"{name}.down"].to(wide)
         linear.weight = torch.nn.Parameter((linear.weight.to(wide) + update.to(linear.weight.device)).to(model.dtype),
