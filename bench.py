@@ -676,6 +676,7 @@ def bench_apar(args, tokenizer, report):
     """APAR's engine with each adapter (the shipped one, or --adapters), alone and with each --apar-guesses
     drafter per thread, vs vanilla decoding of the base model, per category: speed next to quality."""
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
+    prepare_kernels(base, 1)  # vanilla decoding's kernel, as decode.py's
     engines = {}
     for path in apar_adapters(args):
         adapted = METHODS["apar"].engine(default_options(trained=path),

@@ -194,9 +194,10 @@ def machine_key(model) -> str:
     if isinstance(model, GraphedModel):  # its passes cost what the plain model's do not
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
-    kernels = {m.MAX_BLOCKED_ROWS for m in model.modules() if isinstance(m, Linear)}
-    if model.device.type == "cpu" and dtype == "float32" and kernels == {1}:  # a 2-row pass went to oneDNN
-        dtype += ", 2 rows by oneDNN"  # (cpu_kernels.blocked_rows): its L(n) is not the bmm's
+    picks = next((m.picks for m in model.modules() if isinstance(m, Linear) and m.picks), None)
+    if model.device.type == "cpu" and picks:  # this CPU's measured kernels for 1, 2, ... rows
+        # (cpu_kernels.few_row_picks): L(n) is theirs
+        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + " ".join(picks[rows] for rows in range(1, Linear.MEASURED_ROWS + 1))
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
 
 

@@ -2,25 +2,27 @@
 
 Decoding multiplies a handful of token vectors by each weight matrix, so a step should cost about
 as much as reading the weights once, whatever the handful: it is bound by memory, and bfloat16
-weights, half the bytes, should take about half the time. PyTorch's stock CPU kernels
-manage neither. `python bench.py latency --dtypes float32 bfloat16` measures the candidates on the
-default model's matrices (`kernel_times`: 30 layers' four and the LM head, in a step's order, so they
-stream from RAM as in a real step); the kernels below are its winners on 2 AMD EPYC cores
-(docs/constants.md has the table):
-- float32, 1 row (vanilla decoding): W split into blocks of `BLOCK_ROWS` rows (a free view), all
-  multiplied by x in one `torch.bmm`, keeping each block in cache: 18 ms for 1 row (F.linear, MKL:
-  51; oneDNN below: 27);
-- float32, 2 rows (a single guess): whichever of the two is faster on this CPU, measured when a
-  model that guesses is loaded (`blocked_rows`): the machines these were measured on disagree (blocked 19 ms
-  against oneDNN's 29 on one, 18.1 against 15.8 on another), and a slow 2-row pass made a single
-  guess dearer than three (L(2) 24 ms, L(4) 21);
-- float32, 3-`MAX_PACKED_ROWS` rows (a tree of guesses): oneDNN's GEMM on a copy of W re-laid out
-  once for it (`mkldnn._reorder_linear_weight`; made by `prepare_kernels` or on first use): 25 ms
-  for 3 rows, 22 for 6 (blocked: 28 and 42). It costs a second copy of the weights;
+weights, half the bytes, should take about half the time. PyTorch's stock CPU kernels do not always
+manage it, and which kernel does depends on the CPU. `python bench.py latency --dtypes float32 bfloat16`
+measures the candidates on the default model's matrices (`kernel_times`: 30 layers' four and the LM
+head, in a step's order, so they stream from RAM as in a real step); docs/constants.md has the tables:
+- float32, 1-`MEASURED_ROWS` rows (plain decoding, a single guess, two): the CPUs measured so far
+  disagree by up to 2.5x, so `prepare_kernels` measures the candidates on each CPU, once per process,
+  and gives the model's layers the fastest per row count (`few_row_picks`). The candidates: F.linear
+  (MKL's GEMM or GEMV); W split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one
+  `torch.bmm` (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W
+  (below). On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms against F.linear's 34-59) and oneDNN
+  or the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won at 1-3 rows (25 ms, the memory's
+  limit) and the bmm took 62;
+- float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (a tree of guesses), and 1-3 rows before a
+  measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
+  made by `prepare_kernels` or on first use), the fastest there on every CPU measured (4 rows: 16-33
+  ms against F.linear's 43-79). It costs a second copy of the weights, which a model that only decodes
+  plainly does not make: its 1-row measurement leaves oneDNN out, and its prefill takes F.linear;
 - bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
-  (float32 accumulation) and, unlike float32, costs about the same for 1 row as for 8.
+  (float32 accumulation) and costs about the same for 1 row as for 8. It won on every CPU measured.
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
@@ -44,8 +46,10 @@ class Linear(nn.Linear):
     """y = x W^T, with the kernel picked by dtype and by how many rows x has (see the module docstring)."""
 
     BLOCK_ROWS = 64
-    MAX_BLOCKED_ROWS = 2  # at most; `prepare_kernels` sets each layer's own (1 or 2) by this CPU's measurement
+    MEASURED_ROWS = 3  # up to this many float32 rows, the kernel is this CPU's measured fastest
     MAX_PACKED_ROWS = 64
+    picks: dict[int, str] = {}  # rows -> kernel for float32: `prepare_kernels` sets each layer's own, from
+    # this CPU's measurement (none yet: oneDNN's)
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
@@ -62,9 +66,9 @@ class Linear(nn.Linear):
         if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
             return "F.linear"
         if dtype == torch.float32:
-            if rows <= self.MAX_BLOCKED_ROWS and self.out_features % self.BLOCK_ROWS == 0:
-                return "blocked"
-            return "packed" if ONEDNN else "F.linear"
+            pick = self.picks.get(rows, "packed" if ONEDNN else "F.linear")
+            return "packed" if pick == "blocked" and self.out_features % self.BLOCK_ROWS else pick  # (no 64-row
+            # blocks: a layer the measurement did not cover, such as Medusa's shortlist of the LM head)
         if dtype == torch.bfloat16 and BFLOAT16_KERNELS:
             # compiled: F.linear, which torch.compile (freezing the weights) lays out for this kernel itself
             return "F.linear" if torch.compiler.is_compiling() else "packed"
@@ -128,37 +132,45 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
-    """Lay out the weights of a CPU model whose passes feed up to `max_rows` rows (1: vanilla; the
-    default: trees of guesses) for the kernels that need it now, rather than in the first pass (about half a
-    second for the default model), so that pass's timing is not skewed, and give a float32 model that
-    guesses this CPU's faster kernel for 2 rows (`blocked_rows`). A float32 model that only decodes
-    plainly needs no second copy."""
+    """Make a CPU model's passes of up to `max_rows` rows (1: plain decoding; the default: trees of
+    guesses) take this CPU's fastest kernels: a float32 model's layers get the ones measured for few rows
+    (`few_row_picks`), and the weights are laid out for oneDNN now where a pass will use it, rather than
+    in the first pass (about 0.2 s for the default model), so that pass's timing is not skewed. A
+    float32 model that only decodes plainly makes no second copy of its weights."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if max_rows >= 2 and linears and model.device.type == "cpu" and model.dtype == torch.float32 and ONEDNN:
-        limit = blocked_rows(linears)
+    if linears and model.device.type == "cpu" and model.dtype == torch.float32:
+        measured = few_row_picks(linears, min(max_rows, Linear.MEASURED_ROWS), with_packed=max_rows > 1)
+        # more rows: a tree of guesses takes oneDNN's copy; plain decoding's only such pass, the prefill,
+        # F.linear, as fast without the copy (38 tokens: 85 ms against 82, and 0.17 s to lay it out)
+        more = "packed" if max_rows > 1 and ONEDNN else "F.linear"
+        picks = measured | {rows: more for rows in range(len(measured) + 1, Linear.MAX_PACKED_ROWS + 1)}
         for module in linears:
-            module.MAX_BLOCKED_ROWS = limit  # the layer's own, over the class's
+            module.picks = picks  # the layer's own, over the class's
     for module in linears:
         if any(module.kernel(model.device, model.dtype, rows) == "packed"
                for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
             packed_copy(module.weight)
 
 
-BLOCKED_ROWS: dict[tuple, int] = {}  # the weights' shapes -> blocked_rows' measured choice, in this process
+FEW_ROW_PICKS: dict[tuple, dict[int, str]] = {}  # what few_row_picks measured in this process
 
 
-def blocked_rows(linears: list[Linear]) -> int:
-    """How many rows, 1 or 2, the blocked bmm multiplies on this CPU (fewer go to oneDNN): 2 where it
-    beats oneDNN at 2 rows through `linears` (a float32 model's layers, in a step's order). Measured once
-    per process and set of weight shapes (about 0.3 s for the default model), when a model that guesses
-    is loaded."""
-    linears = [m for m in linears if m.out_features % m.BLOCK_ROWS == 0]  # the others never take the bmm
-    shapes = tuple(sorted({tuple(m.weight.shape) for m in linears}))
-    if linears and shapes not in BLOCKED_ROWS:
+def few_row_picks(linears: list[Linear], max_rows: int, with_packed: bool) -> dict[int, str]:
+    """{rows: kernel} for 1 to `max_rows` rows: the fastest on this CPU through `linears` (a float32
+    model's layers, in a step's order), of F.linear, the blocked bmm (where every layer has 64-row
+    blocks) and, `with_packed` (a model that keeps oneDNN's copy of its weights for larger trees anyway),
+    oneDNN's. Measured once per process, set of weight shapes and candidates: 3 interleaved passes per
+    candidate and row count after a warm-up (about 1.5 s for the default model on 2 cores with all three
+    at 1-3 rows; 0.4 s for plain decoding's two at 1 row)."""
+    names = ["F.linear"] + (["blocked"] if all(m.out_features % m.BLOCK_ROWS == 0 for m in linears) else []) + (
+        ["packed"] if with_packed and ONEDNN else [])
+    rows_list = list(range(1, max_rows + 1))
+    key = (tuple(tuple(m.weight.shape) for m in linears), tuple(names), max_rows)
+    if key not in FEW_ROW_PICKS:
         with torch.no_grad():
-            ms = kernel_times(linears, [2], repeats=9, names=["blocked", "packed"])
-        BLOCKED_ROWS[shapes] = 2 if ms["blocked", 2] <= ms["packed", 2] else 1
-    return BLOCKED_ROWS.get(shapes, Linear.MAX_BLOCKED_ROWS)
+            ms = kernel_times(linears, rows_list, repeats=3, names=names)
+        FEW_ROW_PICKS[key] = {rows: min(names, key=lambda name: ms[name, rows]) for rows in rows_list}
+    return FEW_ROW_PICKS[key]
 
 
 def cpu_name() -> str:

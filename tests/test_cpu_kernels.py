@@ -26,13 +26,17 @@ def linear(out_features, in_features, dtype=torch.float32, seed=0):
     return layer.to(dtype).requires_grad_(False)
 
 
+FLOAT32_KERNELS = ["F.linear", "blocked"] + (["packed"] if cpu_kernels.ONEDNN else [])
+
+
 @cheap
 @given(rows=st.integers(1, Linear.MAX_PACKED_ROWS + 3), out_blocks=st.integers(1, 4), ragged=st.booleans(),
-       batched=st.booleans(), blocked_rows=st.sampled_from([1, 2]))
-def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched, blocked_rows):
+       batched=st.booleans(),
+       picks=st.lists(st.sampled_from(FLOAT32_KERNELS), min_size=Linear.MEASURED_ROWS, max_size=Linear.MEASURED_ROWS))
+def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched, picks):
     out_features = out_blocks * Linear.BLOCK_ROWS + (7 if ragged else 0)  # ragged: no 64-row blocks
     layer = linear(out_features, 48)
-    layer.MAX_BLOCKED_ROWS = blocked_rows  # either choice prepare_kernels may make on a CPU
+    layer.picks = dict(enumerate(picks, 1))  # any choice prepare_kernels may make on a CPU
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
     x = x.view(1, rows, 48) if batched else x
     expected = F.linear(x.double(), layer.weight.double())
@@ -42,12 +46,16 @@ def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, 
 def test_the_kernel_picked_for_float32():
     layer = linear(2 * Linear.BLOCK_ROWS, 48)
     cpu = torch.device("cpu")
+    default = "packed" if cpu_kernels.ONEDNN else "F.linear"
     picks = {rows: layer.kernel(cpu, torch.float32, rows) for rows in range(1, Linear.MAX_PACKED_ROWS + 2)}
-    assert {picks[r] for r in range(1, Linear.MAX_BLOCKED_ROWS + 1)} == {"blocked"}
-    if torch.backends.mkldnn.is_available():
-        assert {picks[r] for r in range(Linear.MAX_BLOCKED_ROWS + 1, Linear.MAX_PACKED_ROWS + 1)} == {"packed"}
+    assert {picks[r] for r in range(1, Linear.MAX_PACKED_ROWS + 1)} == {default}  # nothing measured yet
     assert picks[Linear.MAX_PACKED_ROWS + 1] == "F.linear"  # a prefill
-    assert linear(Linear.BLOCK_ROWS + 1, 48).kernel(cpu, torch.float32, 1) != "blocked"
+    layer.picks = {1: "blocked", 2: "F.linear", 3: "blocked"}  # measured
+    assert [layer.kernel(cpu, torch.float32, rows) for rows in range(1, 5)] == ["blocked", "F.linear", "blocked",
+                                                                               default]
+    ragged = linear(Linear.BLOCK_ROWS + 1, 48)
+    ragged.picks = layer.picks
+    assert ragged.kernel(cpu, torch.float32, 1) == default  # no blocks to multiply
     assert layer.kernel(cpu, torch.float64, 1) == "F.linear"
 
 
@@ -82,38 +90,51 @@ def test_training_gets_gradients_through_f_linear():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bfloat16)])
-def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype):
+def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "FEW_ROW_PICKS", {})
     model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=dtype)  # rows: 64s
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     prepare_kernels(model, 1)  # vanilla
     laid_out = [has_packed_copy(m) for m in linears]
-    # float32 multiplies one row by blocks of W as it is; bfloat16 needs oneDNN's layout from the first row
+    # float32's one row is measured without oneDNN; bfloat16 needs oneDNN's layout from the first row
     assert laid_out == [dtype == torch.bfloat16] * len(linears)
     prepare_kernels(model)  # trees of guesses
     assert all(has_packed_copy(m) for m in linears) == torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("faster", ["blocked", "packed"])
-def test_two_rows_take_the_kernel_this_cpu_measured_faster_once(faster, monkeypatch):
-    """prepare_kernels gives a float32 model that guesses the faster kernel at 2 rows, measured once per
-    process (a second model of the same shapes is not measured again); L(n)'s key says which."""
-    monkeypatch.setattr(cpu_kernels, "BLOCKED_ROWS", {})
-    slower = {"blocked": "packed", "packed": "blocked"}[faster]
-    monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: {(faster, 2): 10.0, (slower, 2): 11.0})
+@pytest.mark.parametrize("fastest", [["blocked", "F.linear", "packed"], ["F.linear", "packed", "blocked"]])
+def test_few_rows_take_the_kernels_this_cpu_measured_fastest_once(fastest, monkeypatch):
+    """prepare_kernels gives a float32 model the fastest kernel measured at each of 1-MEASURED_ROWS rows,
+    once per process (a second model of the same shapes is not measured again); plain decoding measures
+    1 row without oneDNN's copy; L(n)'s key says which were picked."""
+    monkeypatch.setattr(cpu_kernels, "FEW_ROW_PICKS", {})
+    measured = []
+
+    def kernel_times(linears, rows_list, repeats, names):  # the r-th fastest at r rows, the others slower
+        measured.append((rows_list, names))
+        return {(name, rows): 10.0 if name == fastest[rows - 1] else 11.0 + names.index(name)
+                for name in names for rows in rows_list}
+
+    monkeypatch.setattr(cpu_kernels, "kernel_times", kernel_times)
     model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=torch.float32)  # rows: 64s
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    prepare_kernels(model, 1)  # vanilla: one row, the bmm's, nothing measured
-    assert not cpu_kernels.BLOCKED_ROWS
-    prepare_kernels(model)
-    picks = {m.kernel(model.device, torch.float32, 2) for m in linears}
-    if cpu_kernels.ONEDNN:
-        assert picks == {faster}
-        assert {m.kernel(model.device, torch.float32, 1) for m in linears} == {"blocked"}
-    assert ("2 rows by oneDNN" in calibrate.machine_key(model)) == (faster == "packed" and cpu_kernels.ONEDNN)
+    prepare_kernels(model, 1)  # vanilla
+    assert measured == [([1], ["F.linear", "blocked"])]
+    one_row = "F.linear" if fastest[0] == "packed" else fastest[0]  # (not a candidate)
+    assert [{m.kernel(model.device, torch.float32, rows) for m in linears} for rows in (1, 2, 4, 64)] == [
+        {one_row}, {"F.linear"}, {"F.linear"}, {"F.linear"}]  # a prefill needs no copy of the weights
+    prepare_kernels(model)  # trees of guesses
+    if not cpu_kernels.ONEDNN:
+        return
+    assert measured[1] == ([1, 2, 3], FLOAT32_KERNELS)
+    picks = [{m.kernel(model.device, torch.float32, rows) for m in linears} for rows in (1, 2, 3, 4)]
+    assert picks == [{kernel} for kernel in fastest] + [{"packed"}]
+    assert ", 1-3 rows: {} {} {} |".format(*fastest) in calibrate.machine_key(model)
     monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: pytest.fail("measured again"))
     again = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), seed=1, dtype=torch.float32)
     prepare_kernels(again)
-    assert {m.kernel(again.device, torch.float32, 2) for m in again.modules() if isinstance(m, Linear)} == picks
+    assert [{m.kernel(again.device, torch.float32, rows) for m in again.modules() if isinstance(m, Linear)}
+            for rows in (1, 2, 3, 4)] == picks
 
 
 def has_packed_copy(linear: Linear) -> bool:
