@@ -105,8 +105,12 @@ class CompiledModel(GraphedModel):
         # one program whatever mode the caller is in (each mode would be another), compiled with the weights
         # frozen as constants, so that Inductor lays bfloat16 ones out for oneDNN's kernel itself
         # (cpu_kernels.py gives it F.linear there): 16.9 ms a pass instead of 22.0. (Given as an option of
-        # torch.compile, freezing is not in effect when the program is traced; patched here, it is.)
-        with torch.inference_mode(), torch._inductor.config.patch(freezing=True):
+        # torch.compile, freezing is not in effect when the program is traced; patched here, it is.) And each
+        # product is autotuned: Inductor times its own C++ GEMM (AMX or AVX-512 micro-kernels) against the
+        # library call for the product's shape and keeps the faster, a few seconds more per compilation; on 2
+        # Intel Xeon cores with AMX, compiled vanilla 43.7 -> 53.2 tokens/s in bfloat16 (its products at the
+        # memory's limit, where oneDNN's took 1.4x that), 32.5 -> 35.1 in float32 (docs/results.md)
+        with torch.inference_mode(), torch._inductor.config.patch(freezing=True, max_autotune_gemm=True):
             step.hidden, new_keys, new_values = self.compiled(step.embeds, step.positions, step.slots, step.mask,
                                                               keys, values)
             keys.index_copy_(3, step.slots, new_keys)  # [layers, 1, K, slots, E] <- [layers, 1, K, T, E]

@@ -1,7 +1,7 @@
 """--compile (cpu_compiled.py): decoding passes compiled by torch.compile give the plain model's hidden
 states and K/V (float32: to rounding, the sums run in another order), and so its greedy tokens, for
-vanilla decoding and for trees of guesses (the float32 kernels cpu_kernels.py picks for 1-2 rows and
-for more, called from compiled code), across windows of the cache, with two models in one process.
+vanilla decoding and for trees of guesses (each of the float32 kernels cpu_kernels.py may pick,
+called from compiled code), across windows of the cache, with two models in one process.
 Each compilation of the tiny model takes some seconds."""
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 
 import cuda_graphs
 from cpu_compiled import CompiledModel
+from cpu_kernels import Linear
 from decode import generate
 from helpers import RandomGuesses, random_model, tiny_hf_config
 from kv_cache import KVCache
@@ -23,9 +24,14 @@ def small_windows(monkeypatch):
 
 
 def float32_model(seed: int = 0):
-    """Every matrix a multiple of 64 rows, so that float32 passes use the blocked and packed kernels."""
-    return random_model(tiny_hf_config(heads=4, head_dim=16, vocab=VOCAB, max_position_embeddings=256), seed=seed,
-                        dtype=torch.float32)
+    """Every matrix a multiple of 64 rows, and each float32 kernel picked for some row count (as
+    prepare_kernels may pick them on some CPU), so that compiled passes call all three."""
+    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=VOCAB, max_position_embeddings=256), seed=seed,
+                         dtype=torch.float32)
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.picks = {1: "blocked", 2: "F.linear"}  # and from 3 rows, oneDNN's (the default)
+    return model
 
 
 def random_prompt(seed: int) -> list[int]:
