@@ -68,7 +68,7 @@ class Linear(nn.Linear):
         if dtype == torch.float32:
             pick = self.picks.get(rows, "packed" if ONEDNN else "F.linear")
             return "packed" if pick == "blocked" and self.out_features % self.BLOCK_ROWS else pick  # (no 64-row
-            # blocks: a layer the measurement did not cover, such as Medusa's shortlist of the LM head)
+            # blocks: picks made for layers that have them, given to one that has not)
         if dtype == torch.bfloat16 and BFLOAT16_KERNELS:
             # compiled: F.linear, which torch.compile (freezing the weights) lays out for this kernel itself
             return "F.linear" if torch.compiler.is_compiling() else "packed"
