@@ -161,7 +161,7 @@ def few_row_picks(linears: list[Linear], max_rows: int, with_packed: bool) -> di
     blocks) and, `with_packed` (a model that keeps oneDNN's copy of its weights for larger trees anyway),
     oneDNN's. Measured once per process, set of weight shapes and candidates: 3 interleaved passes per
     candidate and row count after a warm-up (about 1.5 s for the default model on 2 cores with all three
-    at 1-3 rows; 0.4 s for plain decoding's two at 1 row)."""
+    at 1-3 rows; about 0.35 s, 4 passes of each, for plain decoding's two at 1 row)."""
     names = ["F.linear"] + (["blocked"] if all(m.out_features % m.BLOCK_ROWS == 0 for m in linears) else []) + (
         ["packed"] if with_packed and ONEDNN else [])
     rows_list = list(range(1, max_rows + 1))
