@@ -66,8 +66,9 @@ class Linear(nn.Linear):
         if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
             return "F.linear"
         if dtype == torch.float32:
-            pick = self.picks.get(rows, "packed" if ONEDNN else "F.linear")
-            return "packed" if pick == "blocked" and self.out_features % self.BLOCK_ROWS else pick  # (no 64-row
+            default = "packed" if ONEDNN else "F.linear"
+            pick = self.picks.get(rows, default)
+            return default if pick == "blocked" and self.out_features % self.BLOCK_ROWS else pick  # (no 64-row
             # blocks: picks made for layers that have them, given to one that has not)
         if dtype == torch.bfloat16 and BFLOAT16_KERNELS:
             # compiled: F.linear, which torch.compile (freezing the weights) lays out for this kernel itself
