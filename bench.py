@@ -92,7 +92,7 @@ from artifacts import load as load_artifact, shipped_artifact
 from calibrate import LATENCY_SIZES, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
-from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, kernel_times, prepare_kernels
+from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, describe_picks, kernel_times, prepare_kernels
 from cpu_compiled import require_cpu
 from cuda_graphs import require_gpu
 from decode import generate
@@ -820,7 +820,7 @@ def bench_kernels(name, model, args, report):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     times = kernel_times(linears, KERNEL_ROWS, args.reps * 3)
     kernels = list(dict.fromkeys(kernel for kernel, _ in times))
-    lines = [[rows] + [times[kernel, rows] for kernel in kernels] + [linears[0].kernel(model.device, model.dtype, rows)]
+    lines = [[rows] + [times[kernel, rows] for kernel in kernels] + [describe_picks(linears, [rows])]
              for rows in KERNEL_ROWS]
     report.table(f"{name}: the model's linear layers (30 x 4 and the LM head), ms per pass over n rows (median "
                  f"of {args.reps * 3}; cpu_kernels.py; '{MEMORY_FLOOR}': the weights summed, no product, the memory's "

@@ -30,7 +30,7 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
-from cpu_kernels import Linear, cpu_name
+from cpu_kernels import Linear, cpu_name, describe_picks
 from cuda_graphs import GraphedModel
 from decode import generate, score_tree
 from errors import TooFewRows
@@ -194,10 +194,10 @@ def machine_key(model) -> str:
     if isinstance(model, GraphedModel):  # its passes cost what the plain model's do not
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
-    picks = next((m.picks for m in model.modules() if isinstance(m, Linear) and m.picks), None)
-    if model.device.type == "cpu" and picks:  # this CPU's measured kernels for 1, 2, ... rows
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.picks]
+    if model.device.type == "cpu" and linears:  # this CPU's measured kernels for 1, 2, ... rows
         # (cpu_kernels.few_row_picks): L(n) is theirs
-        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + " ".join(picks[rows] for rows in range(1, Linear.MEASURED_ROWS + 1))
+        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + describe_picks(linears, range(1, Linear.MEASURED_ROWS + 1))
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
 
 

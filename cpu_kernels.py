@@ -7,18 +7,19 @@ manage it, and which kernel does depends on the CPU. `python bench.py latency --
 measures the candidates on the default model's matrices (`kernel_times`: 30 layers' four and the LM
 head, in a step's order, so they stream from RAM as in a real step); docs/constants.md has the tables:
 - float32, 1-`MEASURED_ROWS` rows (plain decoding, a single guess, two): the CPUs measured so far
-  disagree by up to 2.5x, so `prepare_kernels` measures the candidates on each CPU, once per process,
-  and gives the model's layers the fastest per row count (`few_row_picks`). The candidates: F.linear
-  (MKL's GEMM or GEMV); W split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one
-  `torch.bmm` (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W
-  (below). On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms against F.linear's 34-59) and oneDNN
-  or the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won at 1-3 rows (25 ms, the memory's
-  limit) and the bmm took 62;
+  disagree by up to 2.5x, and one matrix shape's best kernel is not another's, so `prepare_kernels`
+  measures the candidates on each CPU, once per process, and gives each layer the fastest for its
+  weight's shape per row count (`few_row_picks`). The candidates: F.linear (MKL's GEMM or GEMV); W
+  split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one `torch.bmm`
+  (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W (below).
+  On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms a pass against F.linear's 34-59) and oneDNN or
+  the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won for the layers at 1-3 rows (20.7 ms,
+  the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
 - float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (a tree of guesses), and 1-3 rows before a
   measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
   made by `prepare_kernels` or on first use), the fastest there on every CPU measured (4 rows: 16-33
   ms against F.linear's 43-79). It costs a second copy of the weights, which a model that only decodes
-  plainly does not make: its 1-row measurement leaves oneDNN out, and its prefill takes F.linear;
+  plainly keeps only for the layers whose 1-row pick it is (its prefill takes F.linear);
 - bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
@@ -132,46 +133,68 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     return PACKED_COPIES[key][1]
 
 
+
+def drop_packed_copy(weight: torch.Tensor) -> None:
+    """Free W's oneDNN copy, if it has one."""
+    PACKED_COPIES.pop((weight.data_ptr(), tuple(weight.shape), weight.dtype), None)
+
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     """Make a CPU model's passes of up to `max_rows` rows (1: plain decoding; the default: trees of
     guesses) take this CPU's fastest kernels: a float32 model's layers get the ones measured for few rows
-    (`few_row_picks`), and the weights are laid out for oneDNN now where a pass will use it, rather than
-    in the first pass (about 0.2 s for the default model), so that pass's timing is not skewed. A
-    float32 model that only decodes plainly makes no second copy of its weights."""
+    and their weights' shape (`few_row_picks`), and the weights are laid out for oneDNN now where a pass
+    will use it, rather than in the first pass (about 0.2 s for the default model), so that pass's
+    timing is not skewed. A float32 model that only decodes plainly keeps oneDNN's copy of a weight only
+    where the measurement picked it (on CPUs measured so far, the LM head's at most)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if linears and model.device.type == "cpu" and model.dtype == torch.float32:
-        measured = few_row_picks(linears, min(max_rows, Linear.MEASURED_ROWS), with_packed=max_rows > 1)
+        measured = few_row_picks(linears, min(max_rows, Linear.MEASURED_ROWS))
         # more rows: a tree of guesses takes oneDNN's copy; plain decoding's only such pass, the prefill,
         # F.linear, as fast without the copy (38 tokens: 85 ms against 82, and 0.17 s to lay it out)
         more = "packed" if max_rows > 1 and ONEDNN else "F.linear"
-        picks = measured | {rows: more for rows in range(len(measured) + 1, Linear.MAX_PACKED_ROWS + 1)}
-        for module in linears:
-            module.picks = picks  # the layer's own, over the class's
+        for module in linears:  # the layer's own, over the class's
+            own = measured[tuple(module.weight.shape)]
+            module.picks = own | {rows: more for rows in range(len(own) + 1, Linear.MAX_PACKED_ROWS + 1)}
     for module in linears:
         if any(module.kernel(model.device, model.dtype, rows) == "packed"
                for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
             packed_copy(module.weight)
+        else:  # (the measurement laid out a copy of every weight)
+            drop_packed_copy(module.weight)
 
 
-FEW_ROW_PICKS: dict[tuple, dict[int, str]] = {}  # what few_row_picks measured in this process
+FEW_ROW_PICKS: dict[tuple, dict[tuple, dict[int, str]]] = {}  # what few_row_picks measured in this process
 
 
-def few_row_picks(linears: list[Linear], max_rows: int, with_packed: bool) -> dict[int, str]:
-    """{rows: kernel} for 1 to `max_rows` rows: the fastest on this CPU through `linears` (a float32
-    model's layers, in a step's order), of F.linear, the blocked bmm (where every layer has 64-row
-    blocks) and, `with_packed` (a model that keeps oneDNN's copy of its weights for larger trees anyway),
-    oneDNN's. Measured once per process, set of weight shapes and candidates: 3 interleaved passes per
-    candidate and row count after a warm-up (about 1.5 s for the default model on 2 cores with all three
-    at 1-3 rows; about 0.35 s, 4 passes of each, for plain decoding's two at 1 row)."""
-    names = ["F.linear"] + (["blocked"] if all(m.out_features % m.BLOCK_ROWS == 0 for m in linears) else []) + (
-        ["packed"] if with_packed and ONEDNN else [])
+def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int, str]]:
+    """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
+    through the layers of that shape, timed one by one within passes through all of `linears` (a float32
+    model's layers, in a step's order, so that each streams from memory as in a step), of F.linear,
+    the blocked bmm (for 64-row blocks) and oneDNN's. Per shape, because a shape's best kernel is its
+    own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
+    LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
+    shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
+    the default model on 2 cores at 1-3 rows, 0.6 s at 1 row, laying out oneDNN's copies included)."""
+    names = ["F.linear", "blocked"] + (["packed"] if ONEDNN else [])
     rows_list = list(range(1, max_rows + 1))
-    key = (tuple(tuple(m.weight.shape) for m in linears), tuple(names), max_rows)
+    key = (tuple(tuple(m.weight.shape) for m in linears), max_rows)
     if key not in FEW_ROW_PICKS:
         with torch.no_grad():
-            ms = kernel_times(linears, rows_list, repeats=3, names=names)
-        FEW_ROW_PICKS[key] = {rows: min(names, key=lambda name: ms[name, rows]) for rows in rows_list}
+            ms = kernel_times(linears, rows_list, repeats=3, names=names, per_shape=True)
+        FEW_ROW_PICKS[key] = {
+            shape: {rows: min((name for name in names if (name, rows, shape) in ms), key=lambda name: ms[name, rows, shape])
+                    for rows in rows_list}
+            for shape in dict.fromkeys(tuple(m.weight.shape) for m in linears)}
     return FEW_ROW_PICKS[key]
+
+
+def describe_picks(linears: list[Linear], rows_list) -> str:
+    """The kernels `linears` take at each of `rows_list`, per weight shape where they differ:
+    "F.linear F.linear" or "576x576 F.linear F.linear, 49152x576 packed packed"."""
+    by_shape = {tuple(m.weight.shape): " ".join(m.kernel(m.weight.device, m.weight.dtype, rows) for rows in rows_list)
+                for m in linears}
+    if len(set(by_shape.values())) == 1:
+        return next(iter(by_shape.values()))
+    return ", ".join(f"{out}x{into} {kernels}" for (out, into), kernels in by_shape.items())
 
 
 def cpu_name() -> str:
@@ -189,32 +212,51 @@ def cpu_name() -> str:
 MEMORY_FLOOR = "read W once"  # kernel_times' yardstick: no product, each weight summed
 
 
-def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
-                 names: list[str] | None = None) -> dict[tuple[str, int], float]:
+def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15, names: list[str] | None = None,
+                 per_shape: bool = False) -> dict[tuple, float]:
     """{(kernel, rows): ms} for one pass of `rows` input rows through `linears` (a model's linear
     layers in the order a step runs them, so that they stream from memory as in a real step), per
     candidate kernel for their dtype; the median of `repeats` passes, candidates and sizes
-    interleaved so that machine noise hits all alike. MEMORY_FLOOR, for comparison, reads the same
-    weights once and multiplies nothing (a sum: what the memory allows a kernel, whatever it
-    computes; a kernel near it is at the memory limit)."""
+    interleaved so that machine noise hits all alike. `per_shape`: {(kernel, rows, weight shape): ms},
+    the layers of each shape timed one by one within those passes (a shape's own share of a pass).
+    MEMORY_FLOOR, for comparison, reads the same weights once and multiplies nothing (a sum: what the
+    memory allows a kernel, whatever it computes; a kernel near it is at the memory limit). The blocked
+    bmm needs 64-row blocks: it times only the shapes that have them (none, for a whole pass, if one
+    has not)."""
     weight = linears[0].weight
     candidates = {MEMORY_FLOOR: lambda m, x: m.weight.sum(), "F.linear": lambda m, x: F.linear(x, m.weight)}
     if torch.backends.mkldnn.is_available():
         candidates["packed"] = lambda m, x: packed_product(x, m.weight)
-    if weight.dtype == torch.float32:
+    shapes = [tuple(m.weight.shape) for m in linears]
+
+    def fits(name, shape):  # whether the kernel can multiply a weight of this shape
+        return name != "blocked" or shape[0] % Linear.BLOCK_ROWS == 0
+    if weight.dtype == torch.float32 and (per_shape or all(fits("blocked", shape) for shape in shapes)):
         candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
-    if names is not None:  # only these
-        candidates = {name: candidates[name] for name in names}
+    if names is not None:  # only these (of those that apply)
+        candidates = {name: candidates[name] for name in names if name in candidates}
     generator = torch.Generator().manual_seed(0)  # (not the global one: loading a model draws nothing from it)
     inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, generator=generator).to(weight.dtype)
                      for m in linears} for rows in rows_list}
-    times = {(name, rows): [] for name in candidates for rows in rows_list}
+    times = {(name, rows, shape): [] for name in candidates for rows in rows_list for shape in set(shapes)
+             if fits(name, shape)}
     for round_ in range(repeats + 1):  # round 0 warms up (and lays out the packed weights)
         for rows in rows_list:
             for name, kernel in candidates.items():
-                started = time.perf_counter()
-                for m in linears:
-                    kernel(m, inputs[rows][m.in_features])
+                spent = dict.fromkeys(shapes, 0.0)
+                for m, shape in zip(linears, shapes):
+                    if fits(name, shape):
+                        started = time.perf_counter()
+                        kernel(m, inputs[rows][m.in_features])
+                        spent[shape] += time.perf_counter() - started
                 if round_:
-                    times[name, rows].append(time.perf_counter() - started)
-    return {key: 1000 * sorted(seconds)[len(seconds) // 2] for key, seconds in times.items()}
+                    for shape, seconds in spent.items():
+                        if fits(name, shape):
+                            times[name, rows, shape].append(seconds)
+
+    def median(seconds):
+        return 1000 * sorted(seconds)[len(seconds) // 2]
+    if per_shape:
+        return {key: median(seconds) for key, seconds in times.items()}
+    return {(name, rows): median([sum(times[name, rows, shape][r] for shape in set(shapes)) for r in range(repeats)])
+            for name in candidates for rows in rows_list}

@@ -92,49 +92,67 @@ def test_training_gets_gradients_through_f_linear():
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bfloat16)])
 def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "FEW_ROW_PICKS", {})
-    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=dtype)  # rows: 64s
+    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=192), dtype=dtype)  # rows: 64s
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     prepare_kernels(model, 1)  # vanilla
     laid_out = [has_packed_copy(m) for m in linears]
-    # float32's one row is measured without oneDNN; bfloat16 needs oneDNN's layout from the first row
-    assert laid_out == [dtype == torch.bfloat16] * len(linears)
+    # float32 keeps oneDNN's copy only of the weights whose measured 1-row kernel it is (the measurement
+    # laid out all of them); bfloat16 needs oneDNN's layout from the first row
+    assert laid_out == [dtype == torch.bfloat16 or m.kernel(model.device, dtype, 1) == "packed" for m in linears]
     prepare_kernels(model)  # trees of guesses
     assert all(has_packed_copy(m) for m in linears) == torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("fastest", [["blocked", "F.linear", "packed"], ["F.linear", "packed", "blocked"]])
-def test_few_rows_take_the_kernels_this_cpu_measured_fastest_once(fastest, monkeypatch):
-    """prepare_kernels gives a float32 model the fastest kernel measured at each of 1-MEASURED_ROWS rows,
-    once per process (a second model of the same shapes is not measured again); plain decoding measures
-    1 row without oneDNN's copy; L(n)'s key says which were picked."""
+HEAD_SHAPE = (192, 64)  # the tiny model's LM head (vocabulary 192): a shape no layer has
+
+
+@pytest.mark.parametrize("fastest, head_fastest", [(["blocked", "F.linear", "packed"], ["packed", "packed", "F.linear"]),
+                                                   (["F.linear", "packed", "blocked"], ["F.linear", "packed", "blocked"])])
+def test_few_rows_take_the_kernels_this_cpu_measured_fastest_once(fastest, head_fastest, monkeypatch):
+    """prepare_kernels gives each layer of a float32 model the fastest kernel measured for its weight's
+    shape at each of 1-MEASURED_ROWS rows, once per process (a second model of the same shapes is not
+    measured again); plain decoding measures 1 row and keeps oneDNN's copy only where it was picked;
+    L(n)'s key says which were picked."""
     monkeypatch.setattr(cpu_kernels, "FEW_ROW_PICKS", {})
     measured = []
 
-    def kernel_times(linears, rows_list, repeats, names):  # the r-th fastest at r rows, the others slower
+    def kernel_times(linears, rows_list, repeats, names, per_shape):  # per shape, the r-th fastest at r rows
         measured.append((rows_list, names))
-        return {(name, rows): 10.0 if name == fastest[rows - 1] else 11.0 + names.index(name)
-                for name in names for rows in rows_list}
+        assert per_shape
+        shapes = {tuple(m.weight.shape) for m in linears}
+        return {(name, rows, shape): 10.0 if name == (head_fastest if shape == HEAD_SHAPE else fastest)[rows - 1]
+                else 11.0 + names.index(name) for name in names for rows in rows_list for shape in shapes}
 
     monkeypatch.setattr(cpu_kernels, "kernel_times", kernel_times)
-    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), dtype=torch.float32)  # rows: 64s
+    model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=192), dtype=torch.float32)  # rows: 64s
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert tuple(model.lm_head.weight.shape) == HEAD_SHAPE and sum(tuple(m.weight.shape) == HEAD_SHAPE for m in linears) == 1
+
+    def kernels(model, rows):  # the layers', the LM head's
+        layers = {m.kernel(model.device, torch.float32, rows) for m in model.modules()
+                  if isinstance(m, Linear) and m is not model.lm_head}
+        return layers, model.lm_head.kernel(model.device, torch.float32, rows)
+
+    def candidate(kernel):  # (measured only where oneDNN is)
+        return kernel if kernel in FLOAT32_KERNELS else "F.linear"
     prepare_kernels(model, 1)  # vanilla
-    assert measured == [([1], ["F.linear", "blocked"])]
-    one_row = "F.linear" if fastest[0] == "packed" else fastest[0]  # (not a candidate)
-    assert [{m.kernel(model.device, torch.float32, rows) for m in linears} for rows in (1, 2, 4, 64)] == [
-        {one_row}, {"F.linear"}, {"F.linear"}, {"F.linear"}]  # a prefill needs no copy of the weights
+    assert measured == [([1], FLOAT32_KERNELS)]
+    assert kernels(model, 1) == ({candidate(fastest[0])}, candidate(head_fastest[0]))
+    for rows in (2, 4, 64):  # a prefill needs no copy of the weights
+        assert kernels(model, rows) == ({"F.linear"}, "F.linear")
+    assert [has_packed_copy(m) for m in linears] == [m.kernel(model.device, torch.float32, 1) == "packed" for m in linears]
     prepare_kernels(model)  # trees of guesses
     if not cpu_kernels.ONEDNN:
         return
     assert measured[1] == ([1, 2, 3], FLOAT32_KERNELS)
-    picks = [{m.kernel(model.device, torch.float32, rows) for m in linears} for rows in (1, 2, 3, 4)]
-    assert picks == [{kernel} for kernel in fastest] + [{"packed"}]
-    assert ", 1-3 rows: {} {} {} |".format(*fastest) in calibrate.machine_key(model)
+    picks = [kernels(model, rows) for rows in (1, 2, 3, 4)]
+    assert picks == [({layer}, head) for layer, head in zip(fastest, head_fastest)] + [({"packed"}, "packed")]
+    described = " ".join(fastest) if fastest == head_fastest else "192x64 " + " ".join(head_fastest)
+    assert ", 1-3 rows: " in calibrate.machine_key(model) and described in calibrate.machine_key(model)
     monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: pytest.fail("measured again"))
-    again = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=128), seed=1, dtype=torch.float32)
+    again = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=192), seed=1, dtype=torch.float32)
     prepare_kernels(again)
-    assert [{m.kernel(again.device, torch.float32, rows) for m in again.modules() if isinstance(m, Linear)}
-            for rows in (1, 2, 3, 4)] == picks
+    assert [kernels(again, rows) for rows in (1, 2, 3, 4)] == picks
 
 
 def has_packed_copy(linear: Linear) -> bool:
@@ -165,9 +183,17 @@ def test_outputs_are_row_major_whatever_the_input_layout(rows):
 
 def test_kernel_times_puts_the_memory_floor_next_to_every_candidate():
     """bench.py latency's kernel table: each candidate for the dtype, and MEMORY_FLOOR (the same weights
-    read once), for every row count: the yardstick of "at the memory limit"."""
+    read once), for every row count: the yardstick of "at the memory limit". Per shape (what
+    few_row_picks chooses by), the bmm only for the shapes with 64-row blocks; a whole pass has it only
+    if every shape has them."""
     layers = [linear(Linear.BLOCK_ROWS, 32, seed=1), linear(2 * Linear.BLOCK_ROWS, Linear.BLOCK_ROWS, seed=2)]
     times = cpu_kernels.kernel_times(layers, [1, 3], repeats=1)
     kernels = {cpu_kernels.MEMORY_FLOOR, "F.linear", "blocked"} | ({"packed"} if cpu_kernels.ONEDNN else set())
     assert set(times) == {(kernel, rows) for kernel in kernels for rows in (1, 3)}
     assert all(ms > 0 for ms in times.values())
+    ragged = layers + [linear(Linear.BLOCK_ROWS + 1, 32, seed=3)]
+    shapes = {(64, 32), (128, 64), (65, 32)}
+    per_shape = cpu_kernels.kernel_times(ragged, [1], repeats=1, per_shape=True)
+    assert set(per_shape) == {(kernel, 1, shape) for kernel in kernels for shape in shapes} - {("blocked", 1, (65, 32))}
+    assert all(ms > 0 for ms in per_shape.values())
+    assert {kernel for kernel, _ in cpu_kernels.kernel_times(ragged, [1], repeats=1)} == kernels - {"blocked"}

@@ -30,7 +30,8 @@ NEW_TOKENS = 48
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
 # and the few-row kernels' times there (ms per pass through the model's linear layers, at 1, 2 and 3
-# rows: cpu_kernels.few_row_picks), so that the kernels each method runs are the same on any machine
+# rows: cpu_kernels.few_row_picks), given for every weight shape, so that the kernels each method runs
+# are the same on any machine
 KERNEL_MS = {"blocked": [14.2, 18.1, 18.9], "packed": [15.2, 15.8, 15.7], "F.linear": [33.7, 59.0, 50.9]}
 ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
@@ -96,9 +97,9 @@ def traced_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
 
 def kernel_times_as_there(kernel_times):
     """cpu_kernels.kernel_times that measures as on any machine, but answers KERNEL_MS."""
-    def as_there(linears, rows_list, repeats, names):
-        measured = kernel_times(linears, rows_list, 1, names)
-        return {(kernel, rows): KERNEL_MS[kernel][rows - 1] for kernel, rows in measured}
+    def as_there(linears, rows_list, repeats, names, per_shape):
+        measured = kernel_times(linears, rows_list, 1, names, per_shape)
+        return {(kernel, rows, shape): KERNEL_MS[kernel][rows - 1] for kernel, rows, shape in measured}
     return as_there
 
 
