@@ -173,7 +173,7 @@ def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int,
     own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
     LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
     shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
-    the default model on 2 cores at 1-3 rows, 0.6 s at 1 row, laying out oneDNN's copies included)."""
+    the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out oneDNN's copies included)."""
     names = ["F.linear", "blocked"] + (["packed"] if ONEDNN else [])
     rows_list = list(range(1, max_rows + 1))
     key = (tuple(tuple(m.weight.shape) for m in linears), max_rows)
