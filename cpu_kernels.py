@@ -133,10 +133,10 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     return PACKED_COPIES[key][1]
 
 
-
 def drop_packed_copy(weight: torch.Tensor) -> None:
     """Free W's oneDNN copy, if it has one."""
     PACKED_COPIES.pop((weight.data_ptr(), tuple(weight.shape), weight.dtype), None)
+
 
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     """Make a CPU model's passes of up to `max_rows` rows (1: plain decoding; the default: trees of
