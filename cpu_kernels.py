@@ -243,16 +243,15 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
     for round_ in range(repeats + 1):  # round 0 warms up (and lays out the packed weights)
         for rows in rows_list:
             for name, kernel in candidates.items():
-                spent = dict.fromkeys(shapes, 0.0)
+                spent = {shape: 0.0 for shape in shapes if fits(name, shape)}
                 for m, shape in zip(linears, shapes):
-                    if fits(name, shape):
+                    if shape in spent:
                         started = time.perf_counter()
                         kernel(m, inputs[rows][m.in_features])
                         spent[shape] += time.perf_counter() - started
                 if round_:
                     for shape, seconds in spent.items():
-                        if fits(name, shape):
-                            times[name, rows, shape].append(seconds)
+                        times[name, rows, shape].append(seconds)
 
     def median(seconds):
         return 1000 * sorted(seconds)[len(seconds) // 2]
