@@ -8,6 +8,15 @@ import torch
 
 from helpers import tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
+# Under `-n auto` (pytest-xdist), each worker and the programs it starts get their share of the cores:
+# more torch threads than cores wait for each other (course/conftest.py: a grader that takes 1 s alone
+# took 90 s beside two others).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def own_cache(tmp_path_factory):
