@@ -35,12 +35,14 @@ from tree import Tree, best_sparse_tree, expected_accepted
 LOSS_DECAY = 0.8  # lambda_k = 0.8^k (section 2.2.1)
 
 # While decoding, the heads guess among the vocabulary's first SHORTLIST tokens only: their LM-head
-# product, a fifth of a pass over the whole vocabulary on this CPU, costs a sixth of that. A BPE
-# vocabulary lists its tokens in the order their merges were learned, most frequent first: the first
-# 8192 of the default model's 49152 are 86% of the tokens it writes (vanilla answers to 10 held-out
-# bench.py prompts of five categories; 16384: 92%, 4096: 77%). A token past them is never guessed
-# by a head (verification still finds it: nothing is lost but that guess).
-SHORTLIST = 8192
+# product over the whole vocabulary would take a sixth of a pass on this CPU; this reads a twelfth of
+# its rows. A BPE vocabulary lists its tokens in the order their merges were learned, most frequent
+# first: the first 4096 of the default model's 49152 are 77% of the tokens it writes (8192: 86%), and
+# nearly all the heads' right guesses: over 4096 rather than 8192, tokens per pass changed by -1.9%
+# to +0.5% per category (-0.6% over six) and the heads took 1.4 ms a pass instead of 2.0, 1.6% of a
+# pass (docs/constants.md). A token past them is never guessed by a head (verification still finds
+# it: nothing is lost but that guess).
+SHORTLIST = 4096
 
 
 class ResBlock(nn.Module):
@@ -113,8 +115,7 @@ class MedusaDrafter(TopKDrafter):
 
 def shortlist_head(lm_head: nn.Linear, size: int) -> Linear:
     """The LM head over the vocabulary's first `size` tokens: a view of its weight, not a copy, as a
-    cpu_kernels.Linear (which lays it out for the heads' few rows: 0.6 ms against the whole head's 5.8
-    for 3 rows here)."""
+    cpu_kernels.Linear (which lays it out for the heads' few rows)."""
     head = Linear(lm_head.in_features, min(size, lm_head.out_features), bias=False, device="meta")
     head.weight = nn.Parameter(lm_head.weight[:size], requires_grad=False)
     return head
