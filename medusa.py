@@ -38,10 +38,10 @@ LOSS_DECAY = 0.8  # lambda_k = 0.8^k (section 2.2.1)
 # product over the whole vocabulary would take a sixth of a pass on this CPU; this reads a twelfth of
 # its rows. A BPE vocabulary lists its tokens in the order their merges were learned, most frequent
 # first: the first 4096 of the default model's 49152 are 77% of the tokens it writes (8192: 86%), and
-# nearly all the heads' right guesses: over 4096 rather than 8192, tokens per pass changed by -1.9%
-# to +0.5% per category (-0.6% over six) and the heads took 1.4 ms a pass instead of 2.0, 1.6% of a
-# pass (docs/constants.md). A token past them is never guessed by a head (verification still finds
-# it: nothing is lost but that guess).
+# the heads lose little by it: over 4096 rather than 8192, tokens per pass changed by -1.9% to +0.5%
+# per category (-0.6% over six) and the heads took 1.4 ms a pass instead of 2.0, 1.6% of a pass
+# (docs/constants.md). A token past them is never guessed by a head (verification still finds it:
+# nothing is lost but that guess).
 SHORTLIST = 4096
 
 
