@@ -29,6 +29,8 @@ worth on this machine; vanilla-again is 1.00x there by construction, and a metho
 its own decisions, not by a busy machine. The last column is the drafter's own time per pass
 (proposing, learning, the cost-aware ranking), which every pass pays, guesses sent or not: next to
 a 20 ms pass on a CPU it is a few percent, next to a 2.5 ms pass replayed on a GPU a quarter or more.
+After the categories, one table per dtype gives each method's lowest and highest decode speedup and
+its lowest modelled one, each with its category, vanilla-again's range next to them.
 
 `speculative` runs the draft-model method on the same prompts for each --gammas value and prints
 the acceptance rate alpha (accepted guesses / (accepted + rejected), the per-guess rate of Leviathan
@@ -323,6 +325,7 @@ def bench_methods(args, tokenizer, report):
                    + (LLAMA_CPP if llama and greedy_float32 else []))
         warm_up(model, peer, tokenizer)
         hindsight = []  # per category: auto's decode speedup, the per-prompt best's
+        speedups = {}  # category -> {method: (decode speedup, modelled)}
         for category, texts in prompt_sets.items():
             ours = ["vanilla"] + args.methods
             contenders = [name for name in ours if name != VANILLA_AGAIN]  # for hindsight: noise is no method
@@ -350,11 +353,13 @@ def bench_methods(args, tokenizer, report):
                 print(f"  {dtype_name} {category} {number}/{len(texts)}: "
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
-            report_category(report, dtype_name, category, tallies, args, priced)
+            speedups[category] = report_category(report, dtype_name, category, tallies, args, priced)
             if "auto" in tallies:
                 vanilla_rate = tallies["vanilla"].decode_tokens_per_second
                 hindsight.append([category, tallies["auto"].decode_tokens_per_second / vanilla_rate,
                                   tallies[HINDSIGHT].decode_tokens_per_second / vanilla_rate])
+        if len(speedups) > 1:
+            report_spread(report, dtype_name, speedups)
         if hindsight:
             report.table(f"{dtype_name}: auto against the best of ours per prompt in hindsight (decode speedups; the "
                          f"share is how much of the hindsight speedup auto reached)",
@@ -379,9 +384,10 @@ def warm_up(model, peer, tokenizer):
         peer.run(ids, warm, tokenizer.eos_ids, [])
 
 
-def report_category(report, dtype_name, category, tallies, args, latency):
+def report_category(report, dtype_name, category, tallies, args, latency) -> dict[str, tuple]:
     """The category's table; the modelled speedups price every method's passes at `latency` (the L(n)
-    the run started from: one fixed table, whatever the machine does during the run)."""
+    the run started from: one fixed table, whatever the machine does during the run). Returns
+    {method: (decode speedup, modelled speedup)} for each of ours but vanilla."""
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
     rows = []
@@ -404,6 +410,30 @@ def report_category(report, dtype_name, category, tallies, args, latency):
                   Column("drafting_ms_per_pass", "drafting ms a pass", "{:.2f}")], rows,
                  kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
                  new_tokens=args.new_tokens, temperature=args.temperature, runs=args.runs)
+    return {row[0]: (row[5], row[7]) for row in rows
+            if row[0] not in ("vanilla", HINDSIGHT, PEER, *LLAMA_CPP) and row[5] is not None}
+
+
+def report_spread(report, dtype_name, speedups: dict[str, dict[str, tuple]]) -> None:
+    """Each method's lowest and highest decode speedup over the categories, and its lowest modelled one
+    (`speedups`: category -> {method: (decode, modelled)}). vanilla-again's row, if it ran, is this run's
+    noise: a method's lowest within vanilla-again's range cannot be told from 1.00x."""
+    rows = []
+    for method in dict.fromkeys(m for by_method in speedups.values() for m in by_method):
+        measured = {c: by_method[method] for c, by_method in speedups.items() if method in by_method}
+        low = min(measured, key=lambda c: measured[c][0])
+        high = max(measured, key=lambda c: measured[c][0])
+        modelled = {c: m for c, (_, m) in measured.items() if m is not None}
+        low_modelled = min(modelled, key=modelled.get) if modelled else None
+        rows.append([method, measured[low][0], low, measured[high][0], high,
+                     modelled.get(low_modelled), low_modelled])
+    report.table(f"{dtype_name}: each method's decode speedups over the {len(speedups)} categories"
+                 + (f" ({VANILLA_AGAIN}'s are this run's noise)" if any(r[0] == VANILLA_AGAIN for r in rows) else ""),
+                 [Column("method"), Column("lowest", "lowest", "{:.2f}x"), Column("lowest_category", "in"),
+                  Column("highest", "highest", "{:.2f}x"), Column("highest_category", "in"),
+                  Column("lowest_modelled", "lowest modelled from L(n)", "{:.2f}x"),
+                  Column("lowest_modelled_category", "in")],
+                 rows, kind="spread", dtype=dtype_name)
 
 
 def modelled_speedup(t: Tally, vanilla: Tally, latency) -> float | None:

@@ -98,11 +98,17 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
         return run
     monkeypatch.setattr(bench, "timed_run", second_vanilla_twice_as_fast)
     out = tmp_path / "r.json"
-    bench.main(["--methods", bench.VANILLA_AGAIN, "--categories", "chat", "--new-tokens", "6", "--runs", "2",
+    bench.main(["--methods", bench.VANILLA_AGAIN, "--categories", "chat", "code", "--new-tokens", "6", "--runs", "2",
                 "--skip-transformers", "--out", str(out)])
-    table = json.loads(out.read_text())["tables"][0]
+    tables = json.loads(out.read_text())["tables"]
+    table = tables[0]
     rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
     assert list(rows) == ["vanilla", bench.VANILLA_AGAIN, bench.HINDSIGHT]
+    # over the two categories, its range: the spread table's (vanilla and the hindsight row are no method)
+    spread = next(t for t in tables if t["kind"] == "spread")
+    again = [row[t["columns"].index("decode_speedup")] for t in tables if t["kind"] == "methods"
+             for row in t["rows"] if row[0] == bench.VANILLA_AGAIN]
+    assert [row[:2] + row[3:4] for row in spread["rows"]] == [[bench.VANILLA_AGAIN, min(again), max(again)]]
     assert rows[bench.VANILLA_AGAIN]["same_as_vanilla"] == "1/1"
     assert rows[bench.VANILLA_AGAIN]["tau"] == rows["vanilla"]["tau"]
     assert rows[bench.VANILLA_AGAIN]["decode_speedup"] > 1.5
@@ -110,6 +116,24 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
     # modelled, its passes are vanilla's: the luck is gone (only the drafters' own microseconds differ)
     assert rows[bench.VANILLA_AGAIN]["modelled_speedup"] == pytest.approx(1.0, rel=0.02)
     assert rows["vanilla"]["modelled_speedup"] == 1.0
+
+
+def test_the_spread_table_has_each_methods_lowest_and_highest_category():
+    """Over the categories, each method's lowest and highest decode speedup and its lowest modelled one,
+    with where each was; a method missing from a category (none there) is judged on the others."""
+    report = bench.Report("methods", {})
+    bench.report_spread(report, "float32", {
+        "chat": {"anpd": (1.10, 1.05), bench.VANILLA_AGAIN: (1.02, 1.0)},
+        "code": {"anpd": (0.95, 1.20), bench.VANILLA_AGAIN: (0.97, 1.0), "medusa": (1.30, None)},
+        "math": {"anpd": (1.40, 0.99), bench.VANILLA_AGAIN: (1.01, 1.0)}})
+    table = report.results["tables"][0]
+    rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert table["kind"] == "spread" and "noise" in table["title"]
+    assert rows["anpd"] == {"method": "anpd", "lowest": 0.95, "lowest_category": "code", "highest": 1.40,
+                            "highest_category": "math", "lowest_modelled": 0.99, "lowest_modelled_category": "math"}
+    assert (rows[bench.VANILLA_AGAIN]["lowest"], rows[bench.VANILLA_AGAIN]["highest"]) == (0.97, 1.02)
+    assert rows["medusa"]["lowest"] == rows["medusa"]["highest"] == 1.30
+    assert rows["medusa"]["lowest_modelled"] is None
 
 
 def test_the_modelled_speedup_prices_each_pass_at_its_size():
