@@ -390,14 +390,17 @@ def report_category(report, dtype_name, category, tallies, args, latency) -> dic
     {method: (decode speedup, modelled speedup)} for each of ours but vanilla."""
     vanilla = tallies["vanilla"]
     mode = f"sampling at temperature {args.temperature} (exact)" if args.temperature else "greedy"
-    rows = []
+    rows, ours = [], {}
     for name, t in tallies.items():
         own = tallies[LLAMA_CPP[0]] if name in LLAMA_CPP else vanilla  # llama.cpp: over its own vanilla
         decode = t.decode_tokens_per_second
+        decode_speedup = decode / own.decode_tokens_per_second if decode else None
+        modelled = modelled_speedup(t, vanilla, latency)
         rows.append([name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, own),
-                     decode, decode / own.decode_tokens_per_second if decode else None,
-                     f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None,
-                     modelled_speedup(t, vanilla, latency), t.drafting_ms_per_pass])
+                     decode, decode_speedup, f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None,
+                     modelled, t.drafting_ms_per_pass])
+        if name not in ("vanilla", HINDSIGHT, PEER, *LLAMA_CPP) and decode_speedup is not None:
+            ours[name] = (decode_speedup, modelled)
     report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}, "
                  f"best of {args.runs} runs" + ("; llama.cpp's speedups are over its own vanilla" if (
                      LLAMA_CPP[0] in tallies) else ""),
@@ -410,8 +413,7 @@ def report_category(report, dtype_name, category, tallies, args, latency) -> dic
                   Column("drafting_ms_per_pass", "drafting ms a pass", "{:.2f}")], rows,
                  kind="methods", category=category, dtype=dtype_name, prompts=vanilla.prompts,
                  new_tokens=args.new_tokens, temperature=args.temperature, runs=args.runs)
-    return {row[0]: (row[5], row[7]) for row in rows
-            if row[0] not in ("vanilla", HINDSIGHT, PEER, *LLAMA_CPP) and row[5] is not None}
+    return ours
 
 
 def report_spread(report, dtype_name, speedups: dict[str, dict[str, tuple]]) -> None:
