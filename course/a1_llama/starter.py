@@ -22,9 +22,9 @@ def apply_rotary(x, cos, sin):
 
 
 def grouped_attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(E) + mask) v, with G query heads per K/V head and no copy of K/V.
+    """softmax(q k^T / sqrt(E) + mask) v, with G = H/K consecutive query heads per K/V head (Ainslie
+    et al. 2023), where the mask adds -inf wherever attention is not allowed.
 
     q: [B, H, T, E]; k, v: [B, K, S, E]; mask: [T, S] or [B, T, S], True where attention is allowed.
-    (torch's SDPA would need `enable_gqa` and is slow on CPU in bfloat16 for one query token.)
     """
     raise NotImplementedError("a1_llama: implement grouped_attention")
