@@ -852,7 +852,7 @@ def bench_kernels(name, model, args, report):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     times = kernel_times(linears, KERNEL_ROWS, args.reps * 3)
     kernels = list(dict.fromkeys(kernel for kernel, _ in times))
-    lines = [[rows] + [times[kernel, rows] for kernel in kernels] + [describe_picks(linears, [rows])]
+    lines = [[rows] + [times.get((kernel, rows)) for kernel in kernels] + [describe_picks(linears, [rows])]
              for rows in KERNEL_ROWS]
     report.table(f"{name}: the model's linear layers (30 x 4 and the LM head), ms per pass over n rows (median "
                  f"of {args.reps * 3}; cpu_kernels.py; '{MEMORY_FLOOR}': the weights summed, no product, the memory's "

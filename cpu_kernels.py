@@ -11,7 +11,8 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
   measures the candidates on each CPU, once per process, and gives each layer the fastest for its
   weight's shape per row count (`few_row_picks`). The candidates: F.linear (MKL's GEMM or GEMV); W
   split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one `torch.bmm`
-  (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W (below).
+  (`blocked_matmul`, each block kept in cache); oneDNN's GEMM on a re-laid-out copy of W (below);
+  and, for 1 row, `torch.mv`.
   On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms a pass against F.linear's 34-59) and oneDNN or
   the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won for the layers at 1-3 rows (20.7 ms,
   the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
@@ -23,7 +24,11 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
 - bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
-  (float32 accumulation) and costs about the same for 1 row as for 8. It won on every CPU measured.
+  (float32 accumulation) and costs about the same for 1 row as for 8. It won on every CPU measured,
+  but each call costs ~20 us whatever the matrix (2.4 ms of a step's 121), and at 1 row `torch.mv`,
+  which also sums in float32, can beat it: on 2 Intel Xeon cores with AMX, 20.2 ms a pass against
+  23.1. So 1 row is measured as in float32, between the two (a plain-decoding model then takes F.linear
+  for its prefill, as in float32, and keeps oneDNN's copies only where it picked them).
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
@@ -58,12 +63,15 @@ class Linear(nn.Linear):
         # (train_prompt.py) needs kernels autograd knows
         if kernel == "blocked":
             return self.blocked_matmul(x, rows)
+        if kernel == "mv":  # one row: the matrix-vector product (a few microseconds of fixed cost, where
+            # oneDNN's call has ~20)
+            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)
         if kernel == "packed":  # compiled, as one opaque operation; eagerly without its dispatch (20-40 us)
             return packed_linear(x, self.weight) if torch.compiler.is_compiling() else packed_product(x, self.weight)
         return F.linear(x, self.weight)
 
     def kernel(self, device, dtype, rows) -> str:
-        """Which kernel multiplies `rows` rows: "blocked", "packed" or "F.linear"."""
+        """Which kernel multiplies `rows` rows: "mv", "blocked", "packed" or "F.linear"."""
         if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
             return "F.linear"
         if dtype == torch.float32:
@@ -73,7 +81,7 @@ class Linear(nn.Linear):
             # blocks: picks made for layers that have them, given to one that has not)
         if dtype == torch.bfloat16 and BFLOAT16_KERNELS:
             # compiled: F.linear, which torch.compile (freezing the weights) lays out for this kernel itself
-            return "F.linear" if torch.compiler.is_compiling() else "packed"
+            return "F.linear" if torch.compiler.is_compiling() else self.picks.get(rows, "packed")
         return "F.linear"
 
     def blocked_matmul(self, x, rows):
@@ -146,8 +154,8 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     timing is not skewed. A float32 model that only decodes plainly keeps oneDNN's copy of a weight only
     where the measurement picked it (on CPUs measured so far, the LM head's at most)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if linears and model.device.type == "cpu" and model.dtype == torch.float32:
-        measured = few_row_picks(linears, min(max_rows, Linear.MEASURED_ROWS))
+    if linears and model.device.type == "cpu" and candidates(model.dtype):
+        measured = few_row_picks(linears, min(max_rows, measured_rows(model.dtype)))
         # more rows: a tree of guesses takes oneDNN's copy; plain decoding's only such pass, the prefill,
         # F.linear, as fast without the copy (38 tokens: 85 ms against 82, and 0.17 s to lay it out)
         more = "packed" if max_rows > 1 and ONEDNN else "F.linear"
@@ -162,26 +170,48 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
             drop_packed_copy(module.weight)
 
 
+def candidates(dtype) -> list[str]:
+    """The kernels `few_row_picks` times for a model of this dtype on this CPU (none: nothing to pick)."""
+    if dtype == torch.float32:
+        return ["F.linear", "blocked"] + (["packed"] if ONEDNN else []) + ["mv"]
+    return ["packed", "mv"] if dtype == torch.bfloat16 and BFLOAT16_KERNELS else []
+
+
+def measured_rows(dtype) -> int:
+    """Up to how many rows `few_row_picks` measures: in bfloat16 only 1, where mv competes with oneDNN's
+    kernel; from 2 rows oneDNN's is the only one that multiplies bfloat16 natively."""
+    return Linear.MEASURED_ROWS if dtype == torch.float32 else 1
+
+
+def applies(kernel: str, rows: int, shape: tuple) -> bool:
+    """Whether `kernel` can multiply `rows` rows by a weight of `shape`: the bmm needs 64-row blocks, and
+    mv one row."""
+    return (kernel != "blocked" or shape[0] % Linear.BLOCK_ROWS == 0) and (kernel != "mv" or rows == 1)
+
+
 FEW_ROW_PICKS: dict[tuple, dict[tuple, dict[int, str]]] = {}  # what few_row_picks measured in this process
 
 
 def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int, str]]:
     """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
     through the layers of that shape, timed one by one within passes through all of `linears` (a float32
-    model's layers, in a step's order, so that each streams from memory as in a step), of F.linear,
-    the blocked bmm (for 64-row blocks) and oneDNN's. Per shape, because a shape's best kernel is its
+    model's layers, in a step's order, so that each streams from memory as in a step), of `candidates`
+    for their dtype (float32: F.linear, the blocked bmm, oneDNN's and, for 1 row, mv; bfloat16: oneDNN's
+    and mv). Per shape, because a shape's best kernel is its
     own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
     LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
     shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
     the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out oneDNN's copies included)."""
-    names = ["F.linear", "blocked"] + (["packed"] if ONEDNN else [])
+    dtype = linears[0].weight.dtype
+    names = candidates(dtype)
     rows_list = list(range(1, max_rows + 1))
-    key = (tuple(tuple(m.weight.shape) for m in linears), max_rows)
+    key = (tuple(tuple(m.weight.shape) for m in linears), dtype, max_rows)
     if key not in FEW_ROW_PICKS:
         with torch.no_grad():
             ms = kernel_times(linears, rows_list, repeats=3, names=names, per_shape=True)
         FEW_ROW_PICKS[key] = {
-            shape: {rows: min((name for name in names if (name, rows, shape) in ms), key=lambda name: ms[name, rows, shape])
+            shape: {rows: min((name for name in names if (name, rows, shape) in ms and applies(name, rows, shape)),
+                              key=lambda name: ms[name, rows, shape])
                     for rows in rows_list}
             for shape in dict.fromkeys(tuple(m.weight.shape) for m in linears)}
     return FEW_ROW_PICKS[key]
@@ -220,30 +250,31 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
     interleaved so that machine noise hits all alike. `per_shape`: {(kernel, rows, weight shape): ms},
     the layers of each shape timed one by one within those passes (a shape's own share of a pass).
     MEMORY_FLOOR, for comparison, reads the same weights once and multiplies nothing (a sum: what the
-    memory allows a kernel, whatever it computes; a kernel near it is at the memory limit). The blocked
-    bmm needs 64-row blocks: it times only the shapes that have them (none, for a whole pass, if one
-    has not)."""
+    memory allows a kernel, whatever it computes; a kernel near it is at the memory limit). A kernel is
+    timed only where it `applies`: mv at 1 row, the blocked bmm on the shapes with 64-row blocks (for a
+    whole pass, only if every shape has them)."""
     weight = linears[0].weight
-    candidates = {MEMORY_FLOOR: lambda m, x: m.weight.sum(), "F.linear": lambda m, x: F.linear(x, m.weight)}
+    kernels = {MEMORY_FLOOR: lambda m, x: m.weight.sum(), "F.linear": lambda m, x: F.linear(x, m.weight),
+               "mv": lambda m, x: torch.mv(m.weight, x[0])}
     if torch.backends.mkldnn.is_available():
-        candidates["packed"] = lambda m, x: packed_product(x, m.weight)
+        kernels["packed"] = lambda m, x: packed_product(x, m.weight)
     shapes = [tuple(m.weight.shape) for m in linears]
-
-    def fits(name, shape):  # whether the kernel can multiply a weight of this shape
-        return name != "blocked" or shape[0] % Linear.BLOCK_ROWS == 0
-    if weight.dtype == torch.float32 and (per_shape or all(fits("blocked", shape) for shape in shapes)):
-        candidates["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
+    if weight.dtype == torch.float32 and (per_shape or all(applies("blocked", 1, shape) for shape in shapes)):
+        kernels["blocked"] = lambda m, x: m.blocked_matmul(x, len(x))
     if names is not None:  # only these (of those that apply)
-        candidates = {name: candidates[name] for name in names if name in candidates}
+        kernels = {name: kernels[name] for name in names if name in kernels}
+
+    def fits(name, rows, shape):
+        return name == MEMORY_FLOOR or applies(name, rows, shape)
     generator = torch.Generator().manual_seed(0)  # (not the global one: loading a model draws nothing from it)
     inputs = {rows: {m.in_features: torch.randn(rows, m.in_features, generator=generator).to(weight.dtype)
                      for m in linears} for rows in rows_list}
-    times = {(name, rows, shape): [] for name in candidates for rows in rows_list for shape in set(shapes)
-             if fits(name, shape)}
+    times = {(name, rows, shape): [] for name in kernels for rows in rows_list for shape in set(shapes)
+             if fits(name, rows, shape)}
     for round_ in range(repeats + 1):  # round 0 warms up (and lays out the packed weights)
         for rows in rows_list:
-            for name, kernel in candidates.items():
-                spent = {shape: 0.0 for shape in shapes if fits(name, shape)}
+            for name, kernel in kernels.items():
+                spent = {shape: 0.0 for shape in shapes if fits(name, rows, shape)}
                 for m, shape in zip(linears, shapes):
                     if shape in spent:
                         started = time.perf_counter()
@@ -258,4 +289,4 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
     if per_shape:
         return {key: median(seconds) for key, seconds in times.items()}
     return {(name, rows): median([sum(times[name, rows, shape][r] for shape in set(shapes)) for r in range(repeats)])
-            for name in candidates for rows in rows_list}
+            for name in kernels for rows in rows_list if (name, rows, shapes[0]) in times}

@@ -26,7 +26,7 @@ def linear(out_features, in_features, dtype=torch.float32, seed=0):
     return layer.to(dtype).requires_grad_(False)
 
 
-FLOAT32_KERNELS = ["F.linear", "blocked"] + (["packed"] if cpu_kernels.ONEDNN else [])
+FLOAT32_KERNELS = ["F.linear", "blocked"] + (["packed"] if cpu_kernels.ONEDNN else []) + ["mv"]
 
 
 @cheap
@@ -36,7 +36,8 @@ FLOAT32_KERNELS = ["F.linear", "blocked"] + (["packed"] if cpu_kernels.ONEDNN el
 def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, batched, picks):
     out_features = out_blocks * Linear.BLOCK_ROWS + (7 if ragged else 0)  # ragged: no 64-row blocks
     layer = linear(out_features, 48)
-    layer.picks = dict(enumerate(picks, 1))  # any choice prepare_kernels may make on a CPU
+    layer.picks = {r: kernel for r, kernel in enumerate(picks, 1)  # any choice prepare_kernels may make on a
+                   if cpu_kernels.applies(kernel, r, (Linear.BLOCK_ROWS, 48))}  # CPU (mv: for 1 row)
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
     x = x.view(1, rows, 48) if batched else x
     expected = F.linear(x.double(), layer.weight.double())
@@ -60,10 +61,13 @@ def test_the_kernel_picked_for_float32():
 
 
 @needs_bfloat16
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, Linear.MAX_PACKED_ROWS])
-def test_bfloat16_matches_f_linear_to_its_rounding(rows):
+@pytest.mark.parametrize("rows, kernel", [(1, "packed"), (1, "mv"), (2, "packed"), (3, "packed"), (8, "packed"),
+                                         (Linear.MAX_PACKED_ROWS, "packed")])
+def test_bfloat16_matches_f_linear_to_its_rounding(rows, kernel):
     layer = linear(3 * Linear.BLOCK_ROWS, 96, torch.bfloat16)
-    assert layer.kernel(torch.device("cpu"), torch.bfloat16, rows) == "packed"
+    assert layer.kernel(torch.device("cpu"), torch.bfloat16, rows) == "packed"  # nothing measured yet
+    layer.picks = {rows: kernel}  # as prepare_kernels may pick
+    assert layer.kernel(torch.device("cpu"), torch.bfloat16, rows) == kernel
     x = torch.randn(1, rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
     exact = F.linear(x.double(), layer.weight.double())  # what float32 accumulation approaches
     y = layer(x)
@@ -96,9 +100,10 @@ def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype, monkeypatch):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     prepare_kernels(model, 1)  # vanilla
     laid_out = [has_packed_copy(m) for m in linears]
-    # float32 keeps oneDNN's copy only of the weights whose measured 1-row kernel it is (the measurement
-    # laid out all of them); bfloat16 needs oneDNN's layout from the first row
-    assert laid_out == [dtype == torch.bfloat16 or m.kernel(model.device, dtype, 1) == "packed" for m in linears]
+    # only the copies of the weights whose measured 1-row kernel is oneDNN's (the measurement laid out all)
+    assert laid_out == [m.kernel(model.device, dtype, 1) == "packed" for m in linears]
+    assert {m.kernel(model.device, dtype, 1) for m in linears} <= set(cpu_kernels.candidates(dtype))
+    assert {m.kernel(model.device, dtype, 2) for m in linears} == {"F.linear"}  # a prefill: no copy needed
     prepare_kernels(model)  # trees of guesses
     assert all(has_packed_copy(m) for m in linears) == torch.backends.mkldnn.is_available()
 
@@ -185,11 +190,11 @@ def test_kernel_times_puts_the_memory_floor_next_to_every_candidate():
     """bench.py latency's kernel table: each candidate for the dtype, and MEMORY_FLOOR (the same weights
     read once), for every row count: the yardstick of "at the memory limit". Per shape (what
     few_row_picks chooses by), the bmm only for the shapes with 64-row blocks; a whole pass has it only
-    if every shape has them."""
+    if every shape has them; mv only for 1 row."""
     layers = [linear(Linear.BLOCK_ROWS, 32, seed=1), linear(2 * Linear.BLOCK_ROWS, Linear.BLOCK_ROWS, seed=2)]
     times = cpu_kernels.kernel_times(layers, [1, 3], repeats=1)
-    kernels = {cpu_kernels.MEMORY_FLOOR, "F.linear", "blocked"} | ({"packed"} if cpu_kernels.ONEDNN else set())
-    assert set(times) == {(kernel, rows) for kernel in kernels for rows in (1, 3)}
+    kernels = {cpu_kernels.MEMORY_FLOOR, "F.linear", "blocked", "mv"} | ({"packed"} if cpu_kernels.ONEDNN else set())
+    assert set(times) == {(kernel, rows) for kernel in kernels for rows in (1, 3)} - {("mv", 3)}
     assert all(ms > 0 for ms in times.values())
     ragged = layers + [linear(Linear.BLOCK_ROWS + 1, 32, seed=3)]
     shapes = {(64, 32), (128, 64), (65, 32)}
