@@ -148,11 +148,11 @@ def drop_packed_copy(weight: torch.Tensor) -> None:
 
 def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
     """Make a CPU model's passes of up to `max_rows` rows (1: plain decoding; the default: trees of
-    guesses) take this CPU's fastest kernels: a float32 model's layers get the ones measured for few rows
-    and their weights' shape (`few_row_picks`), and the weights are laid out for oneDNN now where a pass
-    will use it, rather than in the first pass (about 0.2 s for the default model), so that pass's
-    timing is not skewed. A float32 model that only decodes plainly keeps oneDNN's copy of a weight only
-    where the measurement picked it (on CPUs measured so far, the LM head's at most)."""
+    guesses) take this CPU's fastest kernels: a float32 or bfloat16 model's layers get the ones measured
+    for few rows and their weights' shape (`few_row_picks`), and the weights are laid out for oneDNN now
+    where a pass will use it, rather than in the first pass (about 0.2 s for the default model), so that
+    pass's timing is not skewed. A model that only decodes plainly keeps oneDNN's copy of a weight only where
+    the measurement picked it."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if linears and model.device.type == "cpu" and candidates(model.dtype):
         measured = few_row_picks(linears, min(max_rows, measured_rows(model.dtype)))
@@ -195,7 +195,7 @@ FEW_ROW_PICKS: dict[tuple, dict[tuple, dict[int, str]]] = {}  # what few_row_pic
 def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int, str]]:
     """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
     through the layers of that shape, timed one by one within passes through all of `linears` (a float32
-    model's layers, in a step's order, so that each streams from memory as in a step), of `candidates`
+    or bfloat16 model's layers, in a step's order, so that each streams from memory as in a step), of `candidates`
     for their dtype (float32: F.linear, the blocked bmm, oneDNN's and, for 1 row, mv; bfloat16: oneDNN's
     and mv). Per shape, because a shape's best kernel is its
     own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
