@@ -11,8 +11,7 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
   measures the candidates on each CPU, once per process, and gives each layer the fastest for its
   weight's shape per row count (`few_row_picks`). The candidates: F.linear (MKL's GEMM or GEMV); W
   split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one `torch.bmm`
-  (`blocked_matmul`, each block kept in cache); oneDNN's GEMM on a re-laid-out copy of W (below);
-  and, for 1 row, `torch.mv`.
+  (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W (below).
   On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms a pass against F.linear's 34-59) and oneDNN or
   the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won for the layers at 1-3 rows (20.7 ms,
   the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
@@ -173,7 +172,9 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
 def candidates(dtype) -> list[str]:
     """The kernels `few_row_picks` times for a model of this dtype on this CPU (none: nothing to pick)."""
     if dtype == torch.float32:
-        return ["F.linear", "blocked"] + (["packed"] if ONEDNN else []) + ["mv"]
+        # (not mv: in float32 it sums as F.linear does, within noise of it at 1 row, 26.1 against 27.1 ms
+        # a pass; a near tie would flip the pick, and with it L(n)'s machine key, from process to process)
+        return ["F.linear", "blocked"] + (["packed"] if ONEDNN else [])
     return ["packed", "mv"] if dtype == torch.bfloat16 and BFLOAT16_KERNELS else []
 
 
@@ -196,8 +197,8 @@ def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int,
     """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
     through the layers of that shape, timed one by one within passes through all of `linears` (a float32
     or bfloat16 model's layers, in a step's order, so that each streams from memory as in a step), of `candidates`
-    for their dtype (float32: F.linear, the blocked bmm, oneDNN's and, for 1 row, mv; bfloat16: oneDNN's
-    and mv). Per shape, because a shape's best kernel is its
+    for their dtype (float32: F.linear, the blocked bmm and oneDNN's; bfloat16: oneDNN's and, for 1 row,
+    mv). Per shape, because a shape's best kernel is its
     own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
     LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
     shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
