@@ -32,8 +32,7 @@ LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
 # and the few-row kernels' times there (ms per pass through the model's linear layers, at 1, 2 and 3
 # rows: cpu_kernels.few_row_picks), given for every weight shape, so that the kernels each method runs
 # are the same on any machine
-# (mv, a candidate since, was not measured there: given F.linear's 1-row time, behind the others)
-KERNEL_MS = {"blocked": [14.2, 18.1, 18.9], "packed": [15.2, 15.8, 15.7], "F.linear": [33.7, 59.0, 50.9], "mv": [33.7]}
+KERNEL_MS = {"blocked": [14.2, 18.1, 18.9], "packed": [15.2, 15.8, 15.7], "F.linear": [33.7, 59.0, 50.9]}
 ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
