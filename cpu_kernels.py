@@ -196,11 +196,11 @@ FEW_ROW_PICKS: dict[tuple, dict[tuple, dict[int, str]]] = {}  # what few_row_pic
 def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int, str]]:
     """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
     through the layers of that shape, timed one by one within passes through all of `linears` (a float32
-    or bfloat16 model's layers, in a step's order, so that each streams from memory as in a step), of `candidates`
-    for their dtype (float32: F.linear, the blocked bmm and oneDNN's; bfloat16: oneDNN's and, for 1 row,
-    mv). Per shape, because a shape's best kernel is its
-    own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's, and oneDNN's for the
-    LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
+    or bfloat16 model's layers, in a step's order, so that each streams from memory as in a step), of
+    `candidates` for their dtype (float32: F.linear, the blocked bmm and oneDNN's; bfloat16: oneDNN's
+    and, for 1 row, mv), where `kernel_times` timed them (where they apply). Per shape, because a shape's
+    best kernel is its own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's,
+    and oneDNN's for the LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
     shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
     the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out oneDNN's copies included)."""
     dtype = linears[0].weight.dtype
@@ -211,8 +211,7 @@ def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int,
         with torch.no_grad():
             ms = kernel_times(linears, rows_list, repeats=3, names=names, per_shape=True)
         FEW_ROW_PICKS[key] = {
-            shape: {rows: min((name for name in names if (name, rows, shape) in ms and applies(name, rows, shape)),
-                              key=lambda name: ms[name, rows, shape])
+            shape: {rows: min((name for name in names if (name, rows, shape) in ms), key=lambda name: ms[name, rows, shape])
                     for rows in rows_list}
             for shape in dict.fromkeys(tuple(m.weight.shape) for m in linears)}
     return FEW_ROW_PICKS[key]
