@@ -120,9 +120,11 @@ def score_tree(model, cache: KVCache, tree: Tree) -> torch.Tensor:
     to the next slots of the cache: the final hidden states [N + S, D]."""
     start = cache.length
     slots = cache.claim(tree.input_count)
+    # a lone input (plain decoding, or every guess cut) sees the whole cache: no mask to apply
+    mask = None if tree.input_count == 1 else tree.input_mask(start, model.device)
     hidden = model.hidden_states(embeds=tree.input_embeddings(model.embed),
                                  positions=tree.input_positions(start, model.device), cache=cache, slots=slots,
-                                 mask=tree.input_mask(start, model.device))
+                                 mask=mask)
     return hidden[0]
 
 

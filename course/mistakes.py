@@ -45,7 +45,13 @@ def rotary_cos_sin_of_the_first_row(inv_freq, positions, dtype):  # every row of
 
 
 def grouped_attention_with_the_first_mask(q, k, v, mask):  # a [B, T, S] mask's first row for every sequence
-    return model.grouped_attention(q, k, v, mask[0] if mask.dim() == 3 else mask)
+    return model.grouped_attention(q, k, v, mask[0] if mask is not None and mask.dim() == 3 else mask)
+
+
+def grouped_attention_none_as_tril(q, k, v, mask):  # no mask read as the textbook causal one, blind to the cache
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return model.grouped_attention(q, k, v, mask)
 
 
 def rms_norm_by_the_sum(x, weight, eps):  # divides by sqrt(sum(x^2)), not sqrt(mean(x^2))
@@ -366,6 +372,8 @@ MISTAKES = {
                                            "must turn by its own positions"),
     "a1/gqa-first-mask": Mistake("a1_llama", "grouped_attention", grouped_attention_with_the_first_mask,
                                  "must attend where mask["),
+    "a1/gqa-no-mask-as-tril": Mistake("a1_llama", "grouped_attention", grouped_attention_none_as_tril,
+                                      "mask None means attention allowed everywhere"),
     "a2/keep-without-packing": Mistake("a2_kv_cache", "KVCache", KeepWithoutPacking, "must hold the K/V written"),
     "a2/write-returns-only-the-new": Mistake("a2_kv_cache", "KVCache", WriteReturnsOnlyTheNew,
                                              "the layer's whole history"),

@@ -5,9 +5,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import full_logits, tiny_hf_config, transformers_logits, write_checkpoint
+from helpers import full_logits, tiny_model, tiny_hf_config, transformers_logits, write_checkpoint
 from decode import generate
-from model import load_checkpoint
+from kv_cache import KVCache
+from model import causal_mask, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,6 +65,24 @@ def test_tiny_checkpoints_match_transformers(tmp_path_factory, layers, kv_heads,
         assert torch.allclose(full_logits(load_checkpoint(folder, torch.float64), sequence),
                               transformers_logits(folder, sequence), atol=1e-4, rtol=0)
 
+
+
+@given(seed=st.integers(0, 2**16), cached=st.integers(0, 20))
+def test_one_new_input_without_a_mask_sees_the_whole_cache(seed, cached):
+    """A pass over one input with no mask (plain decoding: decode.score_tree passes none, and attention
+    then applies none) is the same pass, bit for bit, as with the mask of every cached slot and itself."""
+    model = tiny_model()
+    tokens = torch.randint(0, model.config.vocab_size, (cached + 1,), generator=torch.Generator().manual_seed(seed))
+    out = {}
+    for masked in (True, False):
+        cache = KVCache.for_model(model, cached + 1)
+        with torch.inference_mode():
+            if cached:
+                model.logits_after(tokens[:cached].tolist(), cache)
+            slots = cache.claim(1)
+            out[masked] = model(tokens[None, cached:], positions=torch.tensor([cached]), cache=cache, slots=slots,
+                                mask=causal_mask(cached, 1, "cpu") if masked else None)[0]
+    assert torch.equal(out[True], out[False])
 
 def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, default_model_dir):
     """Trained parts check the checkpoint they were made for: loading it in bfloat16 must not make it
