@@ -108,7 +108,6 @@ def test_grouped_attention_is_attention_with_shared_key_value_heads(seed, heads,
                        f"1/sqrt(E), masked, softmaxed")
 
 
-
 @given(seeds, st.integers(0, 6))
 def test_no_mask_is_attention_everywhere(seed, cached):
     q, k, v = randn(1, 4, 1, 8, seed=seed), randn(1, 2, cached + 1, 8, seed=seed + 1), randn(1, 2, cached + 1, 8, seed=seed + 2)
@@ -117,6 +116,7 @@ def test_no_mask_is_attention_everywhere(seed, cached):
     assert torch.allclose(got, naive_attention(q, k, v, everywhere), atol=1e-10), (
         f"mask None means attention allowed everywhere: one query over {cached + 1} keys must weigh them all, "
         f"as a mask of all True would")
+
 
 @given(seeds, st.integers(1, 4), st.integers(0, 4))
 def test_each_row_of_a_batch_is_masked_by_its_own_mask(seed, new, cached):
