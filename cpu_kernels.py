@@ -200,9 +200,10 @@ def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int,
     `candidates` for their dtype (float32: F.linear, the blocked bmm and oneDNN's; bfloat16: oneDNN's
     and, for 1 row, mv), where `kernel_times` timed them (where they apply). Per shape, because a shape's
     best kernel is its own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's,
-    and oneDNN's for the LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per process, set of weight
-    shapes and rows: 3 interleaved passes per candidate and row count after a warm-up (about 1.5 s for
-    the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out oneDNN's copies included)."""
+    and oneDNN's for the LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per
+    process, set of weight shapes and rows: 3 interleaved passes per candidate and row count after a
+    warm-up (about 1.5 s for the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out
+    oneDNN's copies included)."""
     dtype = linears[0].weight.dtype
     names = candidates(dtype)
     rows_list = list(range(1, max_rows + 1))

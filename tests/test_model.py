@@ -66,7 +66,6 @@ def test_tiny_checkpoints_match_transformers(tmp_path_factory, layers, kv_heads,
                               transformers_logits(folder, sequence), atol=1e-4, rtol=0)
 
 
-
 @given(seed=st.integers(0, 2**16), cached=st.integers(0, 20))
 def test_one_new_input_without_a_mask_sees_the_whole_cache(seed, cached):
     """A pass over one input with no mask (plain decoding: decode.score_tree passes none, and attention
@@ -83,6 +82,7 @@ def test_one_new_input_without_a_mask_sees_the_whole_cache(seed, cached):
             out[masked] = model(tokens[None, cached:], positions=torch.tensor([cached]), cache=cache, slots=slots,
                                 mask=causal_mask(cached, 1, "cpu") if masked else None)[0]
     assert torch.equal(out[True], out[False])
+
 
 def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, default_model_dir):
     """Trained parts check the checkpoint they were made for: loading it in bfloat16 must not make it
