@@ -30,7 +30,7 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
-from cpu_kernels import Linear, cpu_name, describe_picks
+from cpu_kernels import Linear, cpu_name, describe_choice
 from cuda_graphs import GraphedModel
 from decode import generate, score_tree
 from errors import TooFewRows
@@ -195,9 +195,11 @@ def machine_key(model) -> str:
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.picks]
-    if model.device.type == "cpu" and linears:  # this CPU's measured kernels for 1, 2, ... rows
-        # (cpu_kernels.few_row_picks): L(n) is theirs
-        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + describe_picks(linears, range(1, Linear.MEASURED_ROWS + 1))
+    if model.device.type == "cpu" and linears:  # L(n) is that of this CPU's fastest kernels for 1, 2, ...
+        # rows (cpu_kernels.few_row_picks): the key names how they are chosen, not the choice, which each
+        # process measures anew and near ties flip (on 2 noisy AVX2 cores: a new key, and L(n) measured
+        # again, 25 s of a 30-second run, every run); each run corrects the saved L(n) by its own passes
+        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + describe_choice(linears, range(1, Linear.MEASURED_ROWS + 1))
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
 
 
