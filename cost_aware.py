@@ -26,8 +26,7 @@ Each guess carries evidence (tree.Tree.evidence): a key saying what kind of gues
 level 4 seen twice, a trie branch taking three quarters of its siblings' occurrences, a Medusa head's
 rank-2 guess at distance 1, a draft model's guess of confidence 0.6) and the source's prior for its
 chance. After every pass, each judged guess (its parent accepted) counts as a success or a failure
-for its key, so the estimates follow what verification accepts in this generation; the earlier
-generations of the process (a bench's prompts, a chat's turns) make each key's prior. The method's own
+for its key, so the estimates follow what verification accepts in this generation. The method's own
 tree (its size option) is the candidate set and the upper bound: `--fixed-size` sends it whole, as
 the papers do.
 
@@ -36,16 +35,15 @@ once per machine, and corrected by every pass this run times: `learn` shows it e
 plus the drafter's own mean time per pass (Medusa's heads, retrieval). The first passes of a run send
 the root alone (what sending nothing costs) until L is measured there, so that a wrong saved L(n)
 cannot make guesses look cheaper next to it than they are.
-`Costs` holds all of it; `CostAware` wraps any drafter and cuts its trees with it.
+`Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
 A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
 as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
 time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when their guesses
 for the next pass, as this generation's outcomes estimate them, pay for their inputs in this one
-(`extra_inputs_pay`). After PROBE_EVERY passes in a row whose guesses were all cut, a probe sends
-them whole, so that estimates made low by a few early misses can recover (a probe that does not pay
-for its inputs doubles the wait for the next); soft tokens' probe carries them in one pass and sends
-the guesses they make whole in the next; a draft model's probe, which costs a draft step too, comes
-only while its rate could plausibly pay (`draft_could_pay`).
+(`extra_inputs_pay`). After PROBE_EVERY passes in a row
+whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
+misses can recover (a probe that finds nothing doubles the wait for the next); a draft model's probe,
+which costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
 """
 
 import math
@@ -71,46 +69,17 @@ class Cut:
 
 class AcceptanceEstimates:
     """P(a guess is accepted | its parent was), per evidence key: the mean of a Beta posterior whose
-    prior, worth PRIOR_WEIGHT observations, is what the earlier generations of this process say of the
-    key (`prior_of`), updated with every judged guess of this generation.
-
-    Earlier generations make the prior, not the evidence: a process that has seen a key fail on a
-    hundred chat answers starts the next one expecting little of it, where a fresh estimate would
-    send its guesses for ten passes until this answer's misses outweigh the source's hope; and a new
-    answer still moves the estimate as fast as before (its own ten verdicts weigh as much as all the
-    earlier ones), so a code answer after chat ones is not judged by chat. Empirical Bayes (Robbins
-    1956): the prior is estimated from the data of the earlier, similar problems."""
+    prior is the source's own estimate, worth PRIOR_WEIGHT observations, updated with every judged
+    guess of the generation."""
 
     PRIOR_WEIGHT = 10.0
 
     def __init__(self):
-        self.accepted: Counter = Counter()  # this generation's verdicts, per key
+        self.accepted: Counter = Counter()
         self.judged: Counter = Counter()
-        self.earlier_accepted: Counter = Counter()  # the earlier generations' (next_generation)
-        self.earlier_judged: Counter = Counter()
-
-    def next_generation(self) -> None:
-        """A new generation begins: this one's verdicts join the earlier ones."""
-        self.earlier_accepted += self.accepted
-        self.earlier_judged += self.judged
-        self.accepted, self.judged = Counter(), Counter()
-
-    def prior_of(self, key: Key, prior: float) -> float:
-        """The source's `prior` for the key, updated with the earlier generations' verdicts of it."""
-        return (self.earlier_accepted[key] + self.PRIOR_WEIGHT * prior) / (self.earlier_judged[key] + self.PRIOR_WEIGHT)
 
     def probability(self, key: Key, prior: float) -> float:
-        return (self.accepted[key] + self.PRIOR_WEIGHT * self.prior_of(key, prior)) / (self.judged[key] + self.PRIOR_WEIGHT)
-
-    def pooled(self, prior: float) -> tuple[float, float]:
-        """(rate, verdicts behind it) of all keys' guesses together, as `probability` of one key
-        (a draft model's guesses are of one kind: its rate is one number); verdicts count the prior's
-        weight."""
-        earlier = (sum(self.earlier_accepted.values()) + self.PRIOR_WEIGHT * prior) / (
-            sum(self.earlier_judged.values()) + self.PRIOR_WEIGHT)
-        judged = sum(self.judged.values())
-        return ((sum(self.accepted.values()) + self.PRIOR_WEIGHT * earlier) / (judged + self.PRIOR_WEIGHT),
-                judged + self.PRIOR_WEIGHT)
+        return (self.accepted[key] + self.PRIOR_WEIGHT * prior) / (self.judged[key] + self.PRIOR_WEIGHT)
 
     def of_node(self, evidence: Sequence[Evidence]) -> float:
         """A guess's estimate: the most confident of the sources that guessed it (0 with none)."""
@@ -196,31 +165,23 @@ def draft_could_pay(alpha: float, verdicts: float, step_cost: float, latency: Ca
 
 
 class Costs:
-    """What cost-aware drafting knows: L(n), the acceptance estimates (this generation's verdicts, on a
-    prior made of the earlier generations'), the drafter's own time per pass, and when to probe."""
+    """What cost-aware drafting knows during one generation: L(n), the acceptance estimates learned
+    from this generation's verdicts, the drafter's own time per pass, and when to probe."""
 
     # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
     # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
-    # does not pay for its inputs doubles the wait before the next one (so a hopeless guesser costs ever
-    # less), up to MOST_PROBE_AFTER passes: an answer of a new kind, whose guesses might pay, waits no
-    # longer than that for one. The wait runs on across generations, as the estimates do.
+    # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
     PROBE_EVERY = 16
-    MOST_PROBE_AFTER = 64
 
     def __init__(self, latency: Latency | OnlineLatency):
         self.latency = latency
-        self.estimates = AcceptanceEstimates()
-        self.idle = 0  # passes in a row whose guesses were all cut (or never made), or extra inputs left out
-        self.probe_after = self.PROBE_EVERY
         self.begin()
 
     def begin(self) -> None:
-        """A new generation: the estimates keep what the earlier ones learned (as their prior), and
-        the wait for a probe runs on; the rest starts afresh."""
-        self.estimates.next_generation()
+        self.estimates = AcceptanceEstimates()
+        self.idle = 0  # passes in a row whose guesses were all cut (or never made), or extra inputs left out
         self.withheld = False  # whether extra_inputs_pay left this pass's extra inputs out
-        self.probing = False  # whether this pass sends its candidates whole
-        self.carried_for_probe = self.probe_due = False  # extra_inputs_pay's probe: their guesses next
+        self.probe_after, self.probing = self.PROBE_EVERY, False
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
 
     def pass_cost(self, inputs: int) -> float:
@@ -260,8 +221,8 @@ class Costs:
             self.idle = 0
         elif len(candidates) > 1 or withheld:
             self.idle += 1
-        if self.idle > self.probe_after or self.probe_due:
-            tree, self.idle, self.probing, self.probe_due = candidates, 0, True, False
+        if self.idle > self.probe_after:
+            tree, self.idle, self.probing = candidates, 0, True
         return tree
 
     def learn(self, done: Pass) -> None:
@@ -270,10 +231,8 @@ class Costs:
         if done.verdict is not None:  # (not the prefill: a pass over the prompt, on an empty cache)
             self.latency.observe(done.tree.input_count, done.seconds)
         if self.probing:
-            paid = (1 + done.guesses_kept) * self.latency(1) >= self.latency(done.tree.input_count)
-            self.probe_after = self.PROBE_EVERY if paid else min(2 * self.probe_after, self.MOST_PROBE_AFTER)
+            self.probe_after = self.PROBE_EVERY if done.guesses_kept else 2 * self.probe_after
             self.probing = False
-        self.probe_due, self.carried_for_probe = self.carried_for_probe, False
         for node, outcome in enumerate(done.outcomes()):
             if node and outcome != "unreached":
                 for key, _ in done.tree.evidence[node]:
@@ -282,14 +241,16 @@ class Costs:
     def draft_length(self, step_cost: float, most: int, prior: float) -> int:
         """How many guesses a draft model whose step costs `step_cost` L(1) should draft now
         (best_draft_length), from its acceptance rate so far (all its guesses pooled; `prior`, the
-        draft's rate before any verdict, AcceptanceEstimates.pooled); one on a probe, if a rate as
+        draft's rate before any verdict, worth PRIOR_WEIGHT guesses); one on a probe, if a rate as
         high as the evidence plausibly allows would pay for it (draft_could_pay)."""
         if not self.latency.measured_enough(1):
             return 0
-        alpha, verdicts = self.estimates.pooled(prior)
+        accepted, judged = sum(self.estimates.accepted.values()), sum(self.estimates.judged.values())
+        weight = AcceptanceEstimates.PRIOR_WEIGHT
+        alpha = (accepted + prior * weight) / (judged + weight)
         gamma = best_draft_length(alpha, step_cost, self.latency, most)
         self.idle = self.idle + 1 if gamma == 0 else 0
-        if self.idle > self.probe_after and draft_could_pay(alpha, verdicts, step_cost, self.latency):
+        if self.idle > self.probe_after and draft_could_pay(alpha, judged + weight, step_cost, self.latency):
             return 1  # (cut() resets the count when the guess is sent)
         return gamma
 
@@ -324,8 +285,8 @@ class Costs:
         (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
         that left them out or cut every guess, they ride along once, so that `gain`, estimated from
         their guesses' outcomes, can recover."""
-        if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
-            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses go whole in the next
+        if self.idle >= self.probe_after:
+            self.idle, self.withheld = 0, False
             return True
         nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
         best, best_carried = tree.subtree(nodes), carried.subtree(nodes)
