@@ -103,7 +103,7 @@ class CombinedDrafter(Drafter):
         if not self.soft:
             return tree
         carried = self.soft.on_root(tree)
-        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.expected_guesses(self.soft.ppd.shape)):
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.soft.ppd.shape)):
             return carried
         return tree
 

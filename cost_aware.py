@@ -38,12 +38,15 @@ cannot make guesses look cheaper next to it than they are.
 `Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
 A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
 as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
-time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when their guesses
-for the next pass, as this generation's outcomes estimate them, pay for their inputs in this one
-(`extra_inputs_pay`). After PROBE_EVERY passes in a row
+time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when what their
+guesses make the next pass worth beyond its time (`surplus`), as this generation's outcomes estimate
+them, pays for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY passes in a row
 whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
-misses can recover (a probe that finds nothing doubles the wait for the next); a draft model's probe,
-which costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
+misses can recover (a probe whose accepted guesses do not pay for its inputs doubles the wait for the
+next); soft tokens' probe carries them in one pass and sends the guesses they make whole in the next
+(cut as usual, those guesses would go unjudged, and their estimates could never recover); a draft
+model's probe, which costs a draft step too, only while its rate could plausibly pay
+(`draft_could_pay`).
 """
 
 import math
@@ -170,7 +173,8 @@ class Costs:
 
     # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
     # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
-    # finds nothing doubles the wait before the next one (so a hopeless guesser costs ever less).
+    # does not pay for its inputs doubles the wait before the next one (a hopeless guesser costs ever
+    # less).
     PROBE_EVERY = 16
 
     def __init__(self, latency: Latency | OnlineLatency):
@@ -182,6 +186,7 @@ class Costs:
         self.idle = 0  # passes in a row whose guesses were all cut (or never made), or extra inputs left out
         self.withheld = False  # whether extra_inputs_pay left this pass's extra inputs out
         self.probe_after, self.probing = self.PROBE_EVERY, False
+        self.carried_for_probe = self.probe_due = False  # extra_inputs_pay's probe: their guesses next
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
 
     def pass_cost(self, inputs: int) -> float:
@@ -221,8 +226,8 @@ class Costs:
             self.idle = 0
         elif len(candidates) > 1 or withheld:
             self.idle += 1
-        if self.idle > self.probe_after:
-            tree, self.idle, self.probing = candidates, 0, True
+        if self.idle > self.probe_after or self.probe_due:
+            tree, self.idle, self.probing, self.probe_due = candidates, 0, True, False
         return tree
 
     def learn(self, done: Pass) -> None:
@@ -231,8 +236,10 @@ class Costs:
         if done.verdict is not None:  # (not the prefill: a pass over the prompt, on an empty cache)
             self.latency.observe(done.tree.input_count, done.seconds)
         if self.probing:
-            self.probe_after = self.PROBE_EVERY if done.guesses_kept else 2 * self.probe_after
+            paid = (1 + done.guesses_kept) * self.latency(1) >= self.latency(done.tree.input_count)
+            self.probe_after = self.PROBE_EVERY if paid else 2 * self.probe_after
             self.probing = False
+        self.probe_due, self.carried_for_probe = self.carried_for_probe, False
         for node, outcome in enumerate(done.outcomes()):
             if node and outcome != "unreached":
                 for key, _ in done.tree.evidence[node]:
@@ -277,16 +284,16 @@ class Costs:
         return False
 
     def extra_inputs_pay(self, tree: Tree, carried: Tree, gain: float) -> bool:
-        """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses bring the
-        next pass `gain` accepted guesses when this one's accepted path ends at such a node) beats
-        `tree`, both cut to the part of `tree` that pays: the next pass gets them with probability
-        P = the sum, over the nodes that carry them, of the chance that the path ends there (reached,
+        """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses make the
+        next pass worth `gain` tokens beyond its time (`surplus`) when this one's accepted path ends
+        at such a node) beats `tree`, both cut to the part of `tree` that pays: the next pass gets
+        them with probability P = the sum, over the nodes that carry them, of the chance that the path ends there (reached,
         and none of its children taken: they are different tokens), so they pay when
         (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
         that left them out or cut every guess, they ride along once, so that `gain`, estimated from
-        their guesses' outcomes, can recover."""
-        if self.idle >= self.probe_after:
-            self.idle, self.withheld = 0, False
+        their guesses' outcomes, can recover; the next pass then sends their guesses whole (`cut`)."""
+        if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
+            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses go whole in the next
             return True
         nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
         best, best_carried = tree.subtree(nodes), carried.subtree(nodes)
@@ -300,10 +307,14 @@ class Costs:
         self.withheld = not pays
         return pays
 
-    def expected_guesses(self, shape: Tree) -> float:
-        """The accepted guesses expected of the part of a tree of this shape that pays, as the estimates
-        stand (its evidence depends on where its nodes are, not on their tokens)."""
-        return self.expected_tokens(self.best_part(shape)) - 1.0
+    def surplus(self, shape: Tree) -> float:
+        """What a pass over the part of a tree of this shape that pays (its evidence depends on where its
+        nodes are, not on their tokens) is worth beyond sending the root alone, in tokens: those it is
+        expected to yield, less those its time would yield one a pass, L(its inputs) / L(1). Its
+        accepted guesses alone would count its extra inputs as free: on a CPU where L(4) is 1.45 L(1),
+        half a guess a pass is worth 0.05 tokens."""
+        best = self.best_part(shape)
+        return max(0.0, self.expected_tokens(best) - self.pass_cost(best.input_count) / self.pass_cost(1))
 
     def expected_tokens(self, tree: Tree) -> float:
         """Tokens a pass over `tree` is expected to yield, as the estimates stand: the sum of reach over

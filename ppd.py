@@ -129,9 +129,9 @@ class PPDDrafter(TopKDrafter):
             state = self.dynamic_tree.states[len(self.candidates)]
             tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
             carried = self.carrying(tree, state.soft_counts)
-        # their gain: what their next tree is expected to bring, as this generation's outcomes of their
-        # guesses (the held-out accuracies at first) stand
-        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.expected_guesses(self.shape)):
+        # their gain: what their next tree is worth beyond its time, as this generation's outcomes of
+        # their guesses (the held-out accuracies at first) stand
+        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.shape)):
             return carried
         return tree  # a pass without soft tokens: the next one has no guesses of theirs
 
