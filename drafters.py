@@ -208,9 +208,11 @@ class NGramDrafter(Drafter):
 NGRAM_PRIORS = {  # (context length of the match, up to 4; times seen, up to 3) -> P(accepted)
     (1, 1): 0.21, (1, 2): 0.26, (1, 3): 0.37, (2, 1): 0.41, (2, 2): 0.61, (2, 3): 0.65,
     (3, 1): 0.58, (3, 2): 0.75, (3, 3): 0.79, (4, 1): 0.83, (4, 2): 0.81, (4, 3): 0.77}
-TRIE_PRIORS = {  # (share of the siblings' occurrences, in quarters; times seen, up to 3) -> P(accepted)
-    (0, 1): 0.04, (0, 2): 0.08, (0, 3): 0.16, (1, 1): 0.08, (1, 2): 0.19, (1, 3): 0.27,
-    (2, 1): 0.18, (2, 2): 0.29, (2, 3): 0.30, (3, 1): 0.68, (3, 2): 0.72, (3, 3): 0.62}
+TRIE_PRIORS = {  # (context length of the match, up to 4; share of the siblings' occurrences, in quarters)
+    (1, 0): 0.06, (1, 1): 0.15, (1, 2): 0.21, (1, 3): 0.46,
+    (2, 0): 0.06, (2, 1): 0.10, (2, 2): 0.26, (2, 3): 0.72,
+    (3, 0): 0.06, (3, 1): 0.10, (3, 2): 0.26, (3, 3): 0.79,
+    (4, 0): 0.06, (4, 1): 0.10, (4, 2): 0.21, (4, 3): 0.92}
 
 
 def ngram_evidence(level: int, seen: int) -> Evidence:
@@ -477,8 +479,8 @@ class TrieDrafter(Drafter):
 
     def branch_evidence(self, branch: Sequence[int]) -> list[tuple[Evidence, ...]]:
         """Per token of a retrieved branch, its evidence (key, prior): after the longest context the
-        branch continues in the trie, each token's share of its siblings' occurrences (in quarters)
-        and its own occurrences (1, 2, 3 or more)."""
+        branch continues in the trie, that context's length and each token's share of its siblings'
+        occurrences (in quarters)."""
         for length in self.PREFIX_LENGTHS:
             node = self.trie.find(self.history[-length:]) if length <= len(self.history) else None
             if node is not None and branch and branch[0] in node.children:
@@ -491,7 +493,7 @@ class TrieDrafter(Drafter):
             if child is None:  # (a retrieve that strays from the trie: no evidence for the rest)
                 return evidence + [()] * (len(branch) - len(evidence))
             share = self.score(child) / sum(self.score(c) for c in node.children.values())
-            evidence.append((trie_evidence(share, child.prompt_count + child.output_count),))
+            evidence.append((trie_evidence(length, share),))
             node = child
         return evidence
 
@@ -528,11 +530,12 @@ class TrieDrafter(Drafter):
         return branches
 
 
-def trie_evidence(share: float, seen: int) -> Evidence:
-    """The evidence of a trie guess that took `share` of its siblings' occurrences and occurred
-    `seen` times (priors: docs/constants.md)."""
-    quarter, seen = min(int(share * 4), 3), min(seen, 3)
-    return Evidence(("lookahead", quarter, seen), TRIE_PRIORS.get((quarter, seen), 0.3))
+def trie_evidence(context: int, share: float) -> Evidence:
+    """The evidence of a trie guess in a branch found after `context` tokens of the output matched
+    (multi-stage retrieval, section 4.3: the longer the match, the likelier the branch), that took
+    `share` of its siblings' occurrences (priors: docs/constants.md)."""
+    quarter = min(int(share * 4), 3)
+    return Evidence(("lookahead", context, quarter), TRIE_PRIORS.get((context, quarter), 0.3))
 
 
 def draft_evidence(confidence: float) -> Evidence:

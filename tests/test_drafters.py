@@ -33,3 +33,19 @@ def test_lookahead_rejects_out_of_range_settings(decoding, branch):
     with pytest.raises(UserError):
         TrieDrafter(decoding, branch)
 
+
+
+def test_a_trie_guess_is_filed_under_the_length_of_the_context_that_found_it():
+    """After 1 2 3 4 the trie holds 5 (four tokens of context); after 9 8 4 only the last token, 4,
+    matches, which was followed by 5. Both guesses took all their siblings' occurrences, and the one
+    found after the longer context is the likelier (section 4.3's multi-stage retrieval)."""
+    evidence = {}
+    for prompt, context in [([1, 2, 3, 4, 5, 1, 2, 3, 4], 4), ([1, 2, 3, 4, 5, 9, 8, 4], 1)]:
+        drafter = TrieDrafter(decoding_length=1, branch_length=1)
+        drafter.begin(Request(prompt))
+        tree = drafter.propose()
+        assert tree.tokens == [4, 5]
+        [(key, prior)] = tree.evidence[1]
+        assert key == ("lookahead", context, 3)
+        evidence[context] = prior
+    assert evidence[4] > evidence[1]
