@@ -15,10 +15,10 @@ Each source proposes its own tree; their root-to-leaf branches are merged into o
 prefix (tree.Tree.from_branches), so a guess that two sources agree on is one node carrying both
 sources' evidence. Cost-aware drafting (cost_aware.py) then keeps, each step, the part of it that pays,
 ranking every node by the same calibrated acceptance estimates under the same L(n); the drafter
-itself carries the soft tokens when their expected guesses for the next pass pay for their inputs in
-this one (cost_aware.Costs.extra_inputs_pay). Verification is
-the same as for every method: the tree rule of verify.py treats any mix of deterministic guesses, so
-greedy output is vanilla's and sampling stays exact.
+itself carries the soft tokens when what their guesses make the next pass worth beyond its time pays
+for their inputs in this one (cost_aware.Costs.extra_inputs_pay). Verification is the same as for
+every method: the tree rule of verify.py treats any mix of deterministic guesses, so greedy output is
+vanilla's and sampling stays exact.
 """
 
 from collections.abc import Sequence
