@@ -287,9 +287,9 @@ class Costs:
         """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses make the
         next pass worth `gain` tokens beyond its time (`surplus`) when this one's accepted path ends
         at such a node) beats `tree`, both cut to the part of `tree` that pays: the next pass gets
-        them with probability P = the sum, over the nodes that carry them, of the chance that the path ends there (reached,
-        and none of its children taken: they are different tokens), so they pay when
-        (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
+        them with probability P = the sum, over the nodes that carry them, of the chance that the path
+        ends there (reached, and none of its children taken: they are different tokens), so they pay
+        when (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
         that left them out or cut every guess, they ride along once, so that `gain`, estimated from
         their guesses' outcomes, can recover; the next pass then sends their guesses whole (`cut`)."""
         if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
