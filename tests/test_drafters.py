@@ -34,7 +34,6 @@ def test_lookahead_rejects_out_of_range_settings(decoding, branch):
         TrieDrafter(decoding, branch)
 
 
-
 def test_a_trie_guess_is_filed_under_the_length_of_the_context_that_found_it():
     """After 1 2 3 4 the trie holds 5 (four tokens of context); after 9 8 4 only the last token, 4,
     matches, which was followed by 5. Both guesses took all their siblings' occurrences, and the one
