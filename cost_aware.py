@@ -312,9 +312,10 @@ class Costs:
         nodes are, not on their tokens) is worth beyond sending the root alone, in tokens: those it is
         expected to yield, less those its time would yield one a pass, L(its inputs) / L(1). Its
         accepted guesses alone would count its extra inputs as free: on a CPU where L(4) is 1.45 L(1),
-        half a guess a pass is worth 0.05 tokens."""
+        half a guess a pass is worth 0.05 tokens. Never below 0: the part that pays is the root alone
+        (worth 0) unless its tokens per second beat the root's."""
         best = self.best_part(shape)
-        return max(0.0, self.expected_tokens(best) - self.pass_cost(best.input_count) / self.pass_cost(1))
+        return self.expected_tokens(best) - self.pass_cost(best.input_count) / self.pass_cost(1)
 
     def expected_tokens(self, tree: Tree) -> float:
         """Tokens a pass over `tree` is expected to yield, as the estimates stand: the sum of reach over
