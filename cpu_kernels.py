@@ -6,20 +6,26 @@ weights, half the bytes, should take about half the time. PyTorch's stock CPU ke
 manage it, and which kernel does depends on the CPU. `python bench.py latency --dtypes float32 bfloat16`
 measures the candidates on the default model's matrices (`kernel_times`: 30 layers' four and the LM
 head, in a step's order, so they stream from RAM as in a real step); docs/constants.md has the tables:
-- float32, 1-`MEASURED_ROWS` rows (plain decoding, a single guess, two): the CPUs measured so far
-  disagree by up to 2.5x, and one matrix shape's best kernel is not another's, so `prepare_kernels`
-  measures the candidates on each CPU, once per process, and gives each layer the fastest for its
-  weight's shape per row count (`few_row_picks`). The candidates: F.linear (MKL's GEMM or GEMV); W
-  split into blocks of `BLOCK_ROWS` rows (a free view) multiplied by x in one `torch.bmm`
-  (`blocked_matmul`, each block kept in cache); and oneDNN's GEMM on a re-laid-out copy of W (below).
-  On 2 AMD EPYC cores the bmm won at 1 row (14-22 ms a pass against F.linear's 34-59) and oneDNN or
-  the bmm at 2-3; on 2 Intel Xeon cores with AMX, F.linear won for the layers at 1-3 rows (20.7 ms,
-  the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
-- float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (a tree of guesses), and 1-3 rows before a
-  measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
-  made by `prepare_kernels` or on first use), the fastest there on every CPU measured (4 rows: 16-33
-  ms against F.linear's 43-79). It costs a second copy of the weights, which a model that only decodes
-  plainly keeps only for the layers whose 1-row pick it is (its prefill takes F.linear);
+- float32, 1-`MEASURED_ROWS` rows (plain decoding, a single guess, the small trees cost-aware
+  drafting sends most): the CPUs measured so far disagree by up to 2.5x, and one matrix shape's best
+  kernel is not another's, so `prepare_kernels` measures the candidates on each CPU, once per process,
+  and gives each layer the fastest for its weight's shape per row count (`few_row_picks`). The
+  candidates: F.linear (MKL's GEMM or GEMV); W split into blocks of `BLOCK_ROWS` rows (a free view)
+  multiplied by x in one `torch.bmm` (`blocked_matmul`, each block kept in cache); oneDNN's GEMM on a
+  re-laid-out copy of W (below); and `dot_rows`, three loops compiled by numba, which reads each row of
+  W once for all of x's rows. On 2 AMD EPYC cores (AVX2) numba's won at 1-4 rows: a pass's products
+  took 29.0-32.4 ms at 1 row (the bmm 34.2-36.0, oneDNN's 39.2-41.5, F.linear 49.9-56.2; summing the
+  weights, the memory's limit for torch, 26.4-27.8), 32.4-33.8 at 2 (oneDNN's 39.4-43.5) and 40.0-43.0
+  at 4 (45.5-50.8): none of torch's own kernels reads W at the memory's pace for a handful of rows, and
+  MKL's and oneDNN's pay for packing x to multiply so few. On 2 Intel Xeon cores with AMX (before numba's was a candidate), F.linear won for the
+  layers at 1-3 rows (20.7 ms, the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's
+  6.6), the bmm took 2.5x;
+- float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (larger trees of guesses), and any rows before
+  a measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
+  made by `prepare_kernels` or on first use), the fastest there on every CPU measured (8 rows on the
+  EPYC: 54.2-59.4 ms against numba's 54.8-60.2 and F.linear's 95-105). It costs a second copy of the weights, which
+  a model that only decodes plainly keeps only for the layers whose 1-row pick it is (its prefill
+  takes F.linear);
 - bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
@@ -31,17 +37,20 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
-(an opaque operation: the compiler cannot trace oneDNN's re-laid-out weights); in bfloat16 it is given
+and numba's as `numba_linear` (opaque operations: the compiler can trace neither oneDNN's re-laid-out
+weights nor numba's machine code); in bfloat16 it is given
 F.linear, which the compiler itself lays out for the same oneDNN kernel. In
 float32 the result is the same computation either way (only its speed differs); in bfloat16 every
 kernel accumulates in float32 and rounds the output to bfloat16, so results agree to bfloat16's
 rounding (tests/test_cpu_kernels.py).
 """
 
+import functools
 import platform
 import time
 import weakref
 
+import numba
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,7 +60,7 @@ class Linear(nn.Linear):
     """y = x W^T, with the kernel picked by dtype and by how many rows x has (see the module docstring)."""
 
     BLOCK_ROWS = 64
-    MEASURED_ROWS = 3  # up to this many float32 rows, the kernel is this CPU's measured fastest
+    MEASURED_ROWS = 4  # up to this many float32 rows, the kernel is this CPU's measured fastest
     MAX_PACKED_ROWS = 64
     picks: dict[int, str] = {}  # rows -> kernel for float32: `prepare_kernels` sets each layer's own, from
     # this CPU's measurement (none yet: oneDNN's)
@@ -68,10 +77,12 @@ class Linear(nn.Linear):
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)
         if kernel == "packed":  # compiled, as one opaque operation; eagerly without its dispatch (20-40 us)
             return packed_linear(x, self.weight) if torch.compiler.is_compiling() else packed_product(x, self.weight)
+        if kernel == "numba":
+            return numba_linear(x, self.weight) if torch.compiler.is_compiling() else numba_product(x, self.weight)
         return F.linear(x, self.weight)
 
     def kernel(self, device, dtype, rows) -> str:
-        """Which kernel multiplies `rows` rows: "mv", "blocked", "packed" or "F.linear"."""
+        """Which kernel multiplies `rows` rows: "mv", "blocked", "numba", "packed" or "F.linear"."""
         if device.type != "cpu" or rows > self.MAX_PACKED_ROWS:
             return "F.linear"
         if dtype == torch.float32:
@@ -122,6 +133,55 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @packed_linear.register_fake
 def _(x, weight):  # the output's shape, for tracing
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def dot_rows(weight, x, out):
+    """out[r, o] = sum_i weight[o, i] x[r, i], compiled by numba. weight: [O, I], x: [R, I], out: [R, O],
+    float32 arrays. The threads share out the weight's rows, and each row, read from memory once, is
+    multiplied by every input row while it is in cache. fastmath lets the compiler sum a dot product in
+    any order, which is what vectorises it (AVX2: 8 products at a time)."""
+    for o in numba.prange(weight.shape[0]):
+        for r in range(x.shape[0]):
+            total = numba.float32(0.0)
+            for i in range(x.shape[1]):
+                total += weight[o, i] * x[r, i]
+            out[r, o] = total
+
+
+@functools.cache
+def start_numba_threads() -> None:
+    """Start numba's threads, keeping torch's thread count. numba starts them at its first parallel call
+    and, starting them, sets OpenMP's thread count to the number of cores; its calls bind to the OpenMP
+    runtime torch has loaded (one pool of threads serves both), so that count is torch's too: a process
+    that asked torch for 1 thread (each worker of `pytest -n auto`) would then run torch on 2 and crowd
+    the other workers' cores (the test run took a third longer)."""
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts them
+    torch.set_num_threads(threads)
+
+
+def numba_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T by `dot_rows`, on the tensors' own memory (no copy). x: [..., I], weight: [O, I] -> [..., O]."""
+    rows = x.numel() // x.shape[-1]
+    out = x.new_empty(rows, weight.shape[0])
+    start_numba_threads()
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:  # as many as torch's (numba keeps its own count, per calling thread)
+        numba.set_num_threads(threads)
+    dot_rows(weight.detach().numpy(), x.reshape(rows, -1).contiguous().numpy(), out.numpy())
+    return out.view(*x.shape[:-1], -1)
+
+
+@torch.library.custom_op("cpu_kernels::numba_linear", mutates_args=())
+def numba_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """numba_product as one operation for torch.compile, which cannot trace into numba's machine code."""
+    return numba_product(x, weight)
+
+
+@numba_linear.register_fake
+def _(x, weight):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -176,7 +236,7 @@ def candidates(dtype) -> list[str]:
     if dtype == torch.float32:
         # (not mv: in float32 it sums as F.linear does, within noise of it at 1 row, 26.1 against 27.1 ms
         # a pass; a near tie would flip the pick, and with it L(n)'s machine key, from process to process)
-        return ["F.linear", "blocked"] + (["packed"] if ONEDNN else [])
+        return ["F.linear", "blocked", "numba"] + (["packed"] if ONEDNN else [])
     return ["packed", "mv"] if dtype == torch.bfloat16 and BFLOAT16_KERNELS else []
 
 
@@ -199,13 +259,13 @@ def few_row_picks(linears: list[Linear], max_rows: int) -> dict[tuple, dict[int,
     """{weight shape: {rows: kernel}} for 1 to `max_rows` rows: per shape, the fastest on this CPU
     through the layers of that shape, timed one by one within passes through all of `linears` (a float32
     or bfloat16 model's layers, in a step's order, so that each streams from memory as in a step), of
-    `candidates` for their dtype (float32: F.linear, the blocked bmm and oneDNN's; bfloat16: oneDNN's
-    and, for 1 row, mv), where `kernel_times` timed them (where they apply). Per shape, because a shape's
-    best kernel is its own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every layer's,
-    and oneDNN's for the LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once per
-    process, set of weight shapes and rows: 3 interleaved passes per candidate and row count after a
-    warm-up (about 1.5 s for the default model on 2 cores at 1-3 rows, 0.7 s at 1 row, laying out
-    oneDNN's copies included)."""
+    `candidates` for their dtype (float32: F.linear, the blocked bmm, numba's and oneDNN's; bfloat16:
+    oneDNN's and, for 1 row, mv), where `kernel_times` timed them (where they apply). Per shape, because
+    a shape's best kernel is its own: on 2 Intel Xeon cores with AMX, F.linear is the fastest for every
+    layer's, and oneDNN's for the LM head's (49152 x 576: 5.0 ms at 1 row against 6.6). Measured once
+    per process, set of weight shapes and rows: 3 interleaved passes per candidate and row count after
+    a warm-up (about 3.9 s for the default model on 2 AVX2 cores at 1-4 rows, laying out oneDNN's copies
+    included; plain decoding measures 1 row)."""
     dtype = linears[0].weight.dtype
     names = candidates(dtype)
     rows_list = list(range(1, max_rows + 1))
@@ -271,6 +331,8 @@ def kernel_times(linears: list[Linear], rows_list: list[int], repeats: int = 15,
     weight = linears[0].weight
     kernels = {MEMORY_FLOOR: lambda m, x: m.weight.sum(), "F.linear": lambda m, x: F.linear(x, m.weight),
                "mv": lambda m, x: torch.mv(m.weight, x[0])}
+    if weight.dtype == torch.float32:
+        kernels["numba"] = lambda m, x: numba_product(x, m.weight)
     if torch.backends.mkldnn.is_available():
         kernels["packed"] = lambda m, x: packed_product(x, m.weight)
     shapes = [tuple(m.weight.shape) for m in linears]

@@ -24,13 +24,14 @@ def small_windows(monkeypatch):
 
 
 def float32_model(seed: int = 0):
-    """Every matrix a multiple of 64 rows, and each float32 kernel picked for some row count (as
-    prepare_kernels may pick them on some CPU), so that compiled passes call all three."""
+    """Every matrix a multiple of 64 rows, and each float32 kernel picked by some layers (as
+    prepare_kernels may pick them on some CPU), so that compiled passes call all four: at 1 row the
+    layers take turns with the bmm, numba's and F.linear, and from 3 rows take oneDNN's (the default)."""
     model = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=VOCAB, max_position_embeddings=256), seed=seed,
                          dtype=torch.float32)
-    for layer in model.modules():
-        if isinstance(layer, Linear):
-            layer.picks = {1: "blocked", 2: "F.linear"}  # and from 3 rows, oneDNN's (the default)
+    linears = [layer for layer in model.modules() if isinstance(layer, Linear)]
+    for index, layer in enumerate(linears):
+        layer.picks = {1: ["blocked", "numba", "F.linear"][index % 3], 2: "F.linear"}
     return model
 
 

@@ -4,6 +4,10 @@ oneDNN's bfloat16 kernels) bfloat16; a changed weight is laid out anew, a freed 
 training gets F.linear. (Compiled: tests/test_cpu_compiled.py.)"""
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ def linear(out_features, in_features, dtype=torch.float32, seed=0):
     return layer.to(dtype).requires_grad_(False)
 
 
-FLOAT32_KERNELS = ["F.linear", "blocked"] + (["packed"] if cpu_kernels.ONEDNN else [])
+FLOAT32_KERNELS = ["F.linear", "blocked", "numba"] + (["packed"] if cpu_kernels.ONEDNN else [])
 
 
 @cheap
@@ -42,6 +46,19 @@ def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, 
     x = x.view(1, rows, 48) if batched else x
     expected = F.linear(x.double(), layer.weight.double())
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_numba_kernel_leaves_torch_its_thread_count():
+    """numba's first parallel call starts its threads and sets OpenMP's thread count, which torch shares, to
+    the number of cores: a process that had asked torch for 1 thread (a test worker) would run on all. Run
+    in a fresh process (numba starts its threads once per process), with numba told of 2 cores."""
+    program = ("import torch; torch.set_num_threads(1); import cpu_kernels; "
+               "x, w = torch.randn(2, 8), torch.randn(64, 8); "
+               "torch.testing.assert_close(cpu_kernels.numba_product(x, w), x @ w.T); print(torch.get_num_threads())")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                         cwd=Path(cpu_kernels.__file__).parent, env={**os.environ, "NUMBA_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1"]
 
 
 def test_the_kernel_picked_for_float32():
@@ -111,8 +128,9 @@ def test_prepare_kernels_lays_out_only_what_the_passes_use(dtype, monkeypatch):
 HEAD_SHAPE = (192, 64)  # the tiny model's LM head (vocabulary 192): a shape no layer has
 
 
-@pytest.mark.parametrize("fastest, head_fastest", [(["blocked", "F.linear", "packed"], ["packed", "packed", "F.linear"]),
-                                                   (["F.linear", "packed", "blocked"], ["F.linear", "packed", "blocked"])])
+@pytest.mark.parametrize("fastest, head_fastest",
+                         [(["blocked", "F.linear", "numba", "packed"], ["packed", "numba", "packed", "F.linear"]),
+                          (["numba", "packed", "blocked", "F.linear"], ["F.linear", "packed", "numba", "blocked"])])
 def test_few_rows_take_the_kernels_this_cpu_measured_fastest_once(fastest, head_fastest, monkeypatch):
     """prepare_kernels gives each layer of a float32 model the fastest kernel measured for its weight's
     shape at each of 1-MEASURED_ROWS rows, once per process (a second model of the same shapes is not
@@ -147,18 +165,18 @@ def test_few_rows_take_the_kernels_this_cpu_measured_fastest_once(fastest, head_
         assert kernels(model, rows) == ({"F.linear"}, "F.linear")
     assert [has_packed_copy(m) for m in linears] == [m.kernel(model.device, torch.float32, 1) == "packed" for m in linears]
     among = " among " + " ".join(FLOAT32_KERNELS)
-    assert ", 1-3 rows: measured F.linear F.linear" + among + " |" in calibrate.machine_key(model)
+    assert ", 1-4 rows: measured F.linear F.linear F.linear" + among + " |" in calibrate.machine_key(model)
     prepare_kernels(model)  # trees of guesses
     if not cpu_kernels.ONEDNN:
         return
-    assert measured[1] == ([1, 2, 3], FLOAT32_KERNELS)
-    picks = [kernels(model, rows) for rows in (1, 2, 3, 4)]
+    assert measured[1] == ([1, 2, 3, 4], FLOAT32_KERNELS)
+    picks = [kernels(model, rows) for rows in (1, 2, 3, 4, 5)]
     assert picks == [({layer}, head) for layer, head in zip(fastest, head_fastest)] + [({"packed"}, "packed")]
-    assert ", 1-3 rows: measured measured measured" + among + " |" in calibrate.machine_key(model)
+    assert ", 1-4 rows: measured measured measured measured" + among + " |" in calibrate.machine_key(model)
     monkeypatch.setattr(cpu_kernels, "kernel_times", lambda *a, **k: pytest.fail("measured again"))
     again = random_model(tiny_hf_config(heads=4, head_dim=16, vocab=192), seed=1, dtype=torch.float32)
     prepare_kernels(again)
-    assert [kernels(again, rows) for rows in (1, 2, 3, 4)] == picks
+    assert [kernels(again, rows) for rows in (1, 2, 3, 4, 5)] == picks
 
 
 def has_packed_copy(linear: Linear) -> bool:
@@ -194,7 +212,7 @@ def test_kernel_times_puts_the_memory_floor_next_to_every_candidate():
     if every shape has them; mv only for 1 row."""
     layers = [linear(Linear.BLOCK_ROWS, 32, seed=1), linear(2 * Linear.BLOCK_ROWS, Linear.BLOCK_ROWS, seed=2)]
     times = cpu_kernels.kernel_times(layers, [1, 3], repeats=1)
-    kernels = {cpu_kernels.MEMORY_FLOOR, "F.linear", "blocked", "mv"} | ({"packed"} if cpu_kernels.ONEDNN else set())
+    kernels = {cpu_kernels.MEMORY_FLOOR, *FLOAT32_KERNELS, "mv"}
     assert set(times) == {(kernel, rows) for kernel in kernels for rows in (1, 3)} - {("mv", 3)}
     assert all(ms > 0 for ms in times.values())
     ragged = layers + [linear(Linear.BLOCK_ROWS + 1, 32, seed=3)]

@@ -29,10 +29,11 @@ NEW_TOKENS = 48
 # cuts decide by the ratios of L(n), and a drafter's own time (which they add, and which varies from
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
-# and the few-row kernels' times there (ms per pass through the model's linear layers, at 1, 2 and 3
-# rows: cpu_kernels.few_row_picks), given for every weight shape, so that the kernels each method runs
-# are the same on any machine
-KERNEL_MS = {"blocked": [14.2, 18.1, 18.9], "packed": [15.2, 15.8, 15.7], "F.linear": [33.7, 59.0, 50.9]}
+# and the few-row kernels' times on such a machine (ms per pass through the model's linear layers, at 1
+# to 4 rows: cpu_kernels.few_row_picks; `bench.py latency` measured 1, 2 and 4, and 3 is put between),
+# given for every weight shape, so that the kernels each method runs are the same on any machine
+KERNEL_MS = {"numba": [29.0, 32.4, 36.2, 40.0], "blocked": [34.2, 45.6, 46.1, 46.6], "packed": [39.2, 39.4, 42.5, 45.5],
+             "F.linear": [49.9, 97.5, 98.1, 98.6]}
 ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
