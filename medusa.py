@@ -115,9 +115,11 @@ class MedusaDrafter(TopKDrafter):
 
 def shortlist_head(lm_head: nn.Linear, size: int) -> Linear:
     """The LM head over the vocabulary's first `size` tokens: a view of its weight, not a copy, as a
-    cpu_kernels.Linear (which lays it out for the heads' few rows)."""
+    cpu_kernels.Linear with the LM head's kernels (those measured fastest for its few rows, on a model
+    prepared before its drafter: the same width, and these rows are a prefix of its rows)."""
     head = Linear(lm_head.in_features, min(size, lm_head.out_features), bias=False, device="meta")
     head.weight = nn.Parameter(lm_head.weight[:size], requires_grad=False)
+    head.picks = lm_head.picks
     return head
 
 

@@ -72,3 +72,13 @@ def test_the_heads_guess_within_the_shortlist_and_lose_nothing_else(monkeypatch)
         expected = full[:, :VOCAB // 2].topk(len(candidates[0]), dim=-1).indices.tolist()
         assert candidates == expected
     assert_equals_vanilla_greedy(model, [1, 2, 3], 30, set(), random_medusa(model, 1, 3, 8))
+
+
+def test_the_shortlist_takes_the_lm_heads_measured_kernels():
+    """The shortlist is a prefix of the LM head's rows, as wide: it multiplies with the kernels this CPU
+    measured fastest for the LM head's few rows (not the default, which on a CPU where another kernel
+    won took twice as long for the heads' rows)."""
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    model.lm_head.picks = {1: "numba", 2: "F.linear", 3: "mv"}  # as prepare_kernels may set them
+    head = medusa.shortlist_head(model.lm_head, VOCAB // 2)
+    assert [head.kernel(torch.device("cpu"), torch.float32, rows) for rows in (1, 2, 3)] == ["numba", "F.linear", "mv"]
