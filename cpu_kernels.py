@@ -17,15 +17,15 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
   took 29.0-32.4 ms at 1 row (the bmm 34.2-36.0, oneDNN's 39.2-41.5, F.linear 49.9-56.2; summing the
   weights, the memory's limit for torch, 26.4-27.8), 32.4-33.8 at 2 (oneDNN's 39.4-43.5) and 40.0-43.0
   at 4 (45.5-50.8): none of torch's own kernels reads W at the memory's pace for a handful of rows, and
-  MKL's and oneDNN's pay for packing x to multiply so few. On 2 Intel Xeon cores with AMX (before numba's was a candidate), F.linear won for the
-  layers at 1-3 rows (20.7 ms, the memory's limit) and oneDNN for the LM head (5.0 ms against F.linear's
-  6.6), the bmm took 2.5x;
+  MKL's and oneDNN's pay for packing x to multiply so few. On 2 Intel Xeon cores with AMX (before
+  numba's was a candidate), F.linear won for the layers at 1-3 rows (20.7 ms, the memory's limit) and
+  oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
 - float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (larger trees of guesses), and any rows before
   a measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
   made by `prepare_kernels` or on first use), the fastest there on every CPU measured (8 rows on the
-  EPYC: 54.2-59.4 ms against numba's 54.8-60.2 and F.linear's 95-105). It costs a second copy of the weights, which
-  a model that only decodes plainly keeps only for the layers whose 1-row pick it is (its prefill
-  takes F.linear);
+  EPYC: 54.2-59.4 ms against numba's 54.8-60.2 and F.linear's 95-105). It costs a second copy of the
+  weights, which a model that only decodes plainly keeps only for the layers whose 1-row pick it is
+  (its prefill takes F.linear);
 - bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
   AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
   by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
@@ -38,8 +38,8 @@ Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients 
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
 and numba's as `numba_linear` (opaque operations: the compiler can trace neither oneDNN's re-laid-out
-weights nor numba's machine code); in bfloat16 it is given
-F.linear, which the compiler itself lays out for the same oneDNN kernel. In
+weights nor numba's machine code); in bfloat16 it is given F.linear, which the compiler itself lays
+out for the same oneDNN kernel. In
 float32 the result is the same computation either way (only its speed differs); in bfloat16 every
 kernel accumulates in float32 and rounds the output to bfloat16, so results agree to bfloat16's
 rounding (tests/test_cpu_kernels.py).
@@ -157,7 +157,7 @@ def start_numba_threads() -> None:
     and, starting them, sets OpenMP's thread count to the number of cores; its calls bind to the OpenMP
     runtime torch has loaded (one pool of threads serves both), so that count is torch's too: a process
     that asked torch for 1 thread (each worker of `pytest -n auto`) would then run torch on 2 and crowd
-    the other workers' cores (the test run took a third longer)."""
+    the other workers' cores (the test run, 14 minutes on 2 cores, went on course for 17)."""
     threads = torch.get_num_threads()
     numba.get_num_threads()  # starts them
     torch.set_num_threads(threads)
