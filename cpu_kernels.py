@@ -133,7 +133,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @packed_linear.register_fake
-def _(x, weight):  # the output's shape, for tracing
+def product_like(x, weight):
+    """x W^T's output, its shape and dtype only: what an opaque product gives torch.compile to trace."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -184,9 +185,7 @@ def numba_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return numba_product(x, weight)
 
 
-@numba_linear.register_fake
-def _(x, weight):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+numba_linear.register_fake(product_like)
 
 
 PACKED_COPIES: dict[tuple, tuple[int, torch.Tensor]] = {}  # (W's address, shape, dtype) -> (W's version, copy)
