@@ -81,8 +81,10 @@ def traced_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
     with torch.inference_mode():
         for name in ORDER:
             method, options = METHODS[name], default_options()
-            cpu_kernels.FEW_ROW_PICKS.clear()  # as in a fresh process, whatever ran before: loading the model
-            # measures the few-row kernels
+            # as in a fresh process, whatever ran before: loading the model measures the few-row kernels,
+            # and the first product by numba's kernel starts its threads
+            cpu_kernels.FEW_ROW_PICKS.clear()
+            cpu_kernels.start_numba_threads.cache_clear()
             if method.engine:  # APAR changes the model it is given: a copy of its own
                 apar_model = load_checkpoint(model_dir, torch.float32)
                 found[name] = traced(lambda: apar_engine(options, apar_model, tokenizer).generate(
