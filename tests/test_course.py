@@ -5,6 +5,7 @@ from the reference, and its students' copy really has the answers removed."""
 
 import ast
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -23,21 +24,35 @@ from assignments import ASSIGNMENTS  # noqa: E402
 from mistakes import MISTAKES  # noqa: E402
 
 
-def graded(tmp_path, name, *args) -> dict[str, str]:
+def graded(tmp_path, name, *args, shrunk=False) -> dict[str, str]:
     """Run the graders here with `args`: {test id: its failure message, "" when it passed} (two at once:
-    each grader runs torch on one thread, course/conftest.py)."""
-    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args)
+    each grader runs torch on one thread, course/conftest.py). Unless `shrunk`, a failing example is
+    reported as found (tests/helpers.py's "unshrunk" profile), not shrunk as a student's run shrinks it."""
+    profile = {} if shrunk else {"HYPOTHESIS_PROFILE": "unshrunk"}
+    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args, env=os.environ | profile)
+
+
+def points_at(name: str, results: dict[str, str]) -> bool:
+    """Whether a grader failed with a message holding the mistake's fragment."""
+    return any(MISTAKES[name].caught_by in message for message in results.values() if message)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every grader run CI needs, two at a time: the reference, the starters, each mistake."""
+    """Every grader run CI needs, two at a time: the reference, the starters, each mistake. Shrinking took
+    over half of that time, so failing examples are first left unshrunk; a mistake whose unshrunk
+    message does not point at it is graded again shrunk, as its student would see it. (Shrinking keeps
+    a failure's assertion, so an unshrunk message that points at a mistake is the shrunk one's too.)"""
     tmp = tmp_path_factory.mktemp("graded")
     jobs = {"reference": [str(COURSE), "--reference"], "starters": [str(COURSE)]}
     jobs |= {name: [str(COURSE / mistake.assignment), "--mistake", name] for name, mistake in MISTAKES.items()}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(graded, tmp, name.replace("/", "-"), *args) for name, args in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
+        results = {name: future.result() for name, future in futures.items()}
+        again = [name for name in MISTAKES if not points_at(name, results[name])]
+        futures = {name: pool.submit(graded, tmp, name.replace("/", "-") + "-shrunk", *jobs[name], shrunk=True)
+                   for name in again}
+        return results | {name: future.result() for name, future in futures.items()}
 
 
 def test_every_grader_passes_against_the_reference(runs):
@@ -54,7 +69,7 @@ def test_every_grader_test_fails_against_the_starters(runs):
 def test_each_mistake_is_caught_with_a_message_that_points_at_it(runs, name):
     failures = [message for message in runs[name].values() if message]
     assert failures, f"{name} passed every grader test"
-    assert any(MISTAKES[name].caught_by in message for message in failures), (name, failures)
+    assert points_at(name, runs[name]), (name, failures)
 
 
 def test_each_assignment_has_at_least_two_mistakes():

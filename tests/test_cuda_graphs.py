@@ -78,7 +78,6 @@ def test_a_static_pass_gives_the_plain_passs_hidden_states_and_cache(case):
     assert bool(graphed.passes) == fits  # the static pass ran (over 64 inputs the plain one)
 
 
-@cheap
 @given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=80), st.sets(st.integers(0, VOCAB - 1), max_size=2))
 def test_every_method_gives_vanilla_greedy_tokens_through_static_passes(prompt, eos_ids):
     plain = model()

@@ -176,13 +176,17 @@ def test_bench_results_are_drawn_as_they_were_measured(tmp_path, capsys):
     assert heights["bar-anpd-code"] / heights["bar-anpd-chat"] == pytest.approx(1.7 / 0.9, rel=1e-3)
 
 
-def test_bench_latency_writes_results_and_draws_them(tmp_path, default_model_dir, capsys):
+def test_bench_latency_writes_results_and_draws_them(tmp_path, default_model_dir, capsys, monkeypatch):
+    # a small run (its full sizes take minutes): fewer rows of kernels, steps and cached lengths
+    monkeypatch.setattr(bench, "KERNEL_ROWS", [1, 8])
+    monkeypatch.setattr(bench, "STEP_SIZES", [1, 8])
+    monkeypatch.setattr(bench, "CACHED", [16, 64])
     out = tmp_path / "latency.json"
     assert bench.main(["latency", "--skip-transformers", "--rounds", "1", "--reps", "1", "--new-tokens", "2",
                        "--out", str(out), "--plot"]) == 0
     results = json.loads(out.read_text())
     table = next(t for t in results["tables"] if t["kind"] == "step_latency")
-    assert [row[:2] for row in table["rows"]] == [["ours", 256], ["ours", 1024]]
+    assert [row[:2] for row in table["rows"]] == [["ours", 16], ["ours", 64]]
     assert all(value > 0 for row in table["rows"] for value in row[2:])
     assert results["machine"]["cores"] and results["machine"]["cpu"]
     assert_valid_png(tmp_path / "latency-step-latency.png")
