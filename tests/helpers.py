@@ -9,6 +9,7 @@ import os
 import random
 import sys
 import unittest.mock
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -366,15 +367,29 @@ def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter
     assert guessed.stop_reason == vanilla.stop_reason
 
 
+VANILLA_ANSWERS = weakref.WeakKeyDictionary()  # model -> {(prompt ids, max_new_tokens): its greedy generation}
+
+
+def vanilla_answer(model, tokenizer, text: str, max_new_tokens: int):
+    """The model's vanilla greedy generation for a chat prompt, generated once per process (the tests on
+    the default model check several methods against the same answers, a few seconds each)."""
+    ids = tokenizer.prompt_ids(text, raw=False)
+    answers = VANILLA_ANSWERS.setdefault(model, {})
+    if (tuple(ids), max_new_tokens) not in answers:
+        with torch.inference_mode():
+            answers[tuple(ids), max_new_tokens] = generate(model, ids, max_new_tokens=max_new_tokens,
+                                                           eos_ids=tokenizer.eos_ids)
+    return answers[tuple(ids), max_new_tokens]
+
+
 def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
     """On the default model, a shipped guesser's greedy output is vanilla's, and some guesses pass."""
     for prompt in ["Give me three tips for staying focused while studying.",
                    "Explain what a hash table is."]:
         ids = tokenizer.prompt_ids(prompt, raw=False)
         with torch.inference_mode():
-            vanilla = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids)
             guessed = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids, drafter=drafter)
-        assert guessed.token_ids == vanilla.token_ids
+        assert guessed.token_ids == vanilla_answer(model, tokenizer, prompt, 48).token_ids
         assert guessed.counts.guesses_accepted > 0
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import random_model, tiny_hf_config, tiny_model
+from helpers import random_model, tiny_hf_config, tiny_model, vanilla_answer
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
@@ -195,9 +195,8 @@ def test_default_model_methods_equal_vanilla(default_model, default_tokenizer, m
     total_passes = total_tokens = 0
     for text in PROMPTS:  # one drafter for all prompts: Lookahead's trie carries over
         prompt = default_tokenizer.prompt_ids(text, raw=False)
-        kwargs = dict(max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
-        vanilla = generate(default_model, prompt, **kwargs)
-        gen = generate(default_model, prompt, drafter=drafter, **kwargs)
+        vanilla = vanilla_answer(default_model, default_tokenizer, text, 48)
+        gen = generate(default_model, prompt, drafter=drafter, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
         assert gen.token_ids == vanilla.token_ids, text
         total_passes += gen.counts.forward_passes
         total_tokens += len(gen.token_ids)
