@@ -3,6 +3,8 @@ restores in root - first child - next sibling order, the cache frees and reuses 
 threads; and `--method apar` on the command line. (The data rules and the adapter:
 test_apar_finetune.py.)"""
 
+import contextlib
+import io
 import json
 import random
 from collections import Counter
@@ -458,14 +460,23 @@ def test_the_readme_example_forks_and_does_not_loop(capsys):
     assert not repetitive(text) and len(POINT.findall(text)) >= 5  # a glued point starts no line
 
 
+GUESSED_PROMPT = ["--method", "apar", "--prompt", "Give me five tips for learning a new language.", "--json"]
+
+
+@pytest.fixture(scope="module")
+def plain_apar_answer():
+    """decode.py's --json record for GUESSED_PROMPT without guesses (once for both drafters below)."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(GUESSED_PROMPT) == 0
+    return json.loads(out.getvalue())
+
+
 @pytest.mark.parametrize("guesses", ["anpd", "lookahead"])
-def test_apar_with_guesses_writes_the_same_answer_in_fewer_passes(guesses, capsys):
+def test_apar_with_guesses_writes_the_same_answer_in_fewer_passes(guesses, plain_apar_answer, capsys):
     """On the default model, greedy: --apar-guesses leaves the restored answer as it is, accepts some
     guesses, and reports each thread's tokens per pass."""
-    prompt = ["--method", "apar", "--prompt", "Give me five tips for learning a new language.", "--json"]
-    assert main(prompt) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert main(prompt + ["--apar-guesses", guesses]) == 0
+    plain = plain_apar_answer
+    assert main(GUESSED_PROMPT + ["--apar-guesses", guesses]) == 0
     guessed = json.loads(capsys.readouterr().out)
     assert guessed["token_ids"] == plain["token_ids"] and guessed["threads"] == plain["threads"]
     assert 0 < guessed["guesses_accepted"] <= guessed["guesses_proposed"]
