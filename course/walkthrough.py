@@ -149,16 +149,18 @@ def walk(method_name: str, wanted=accepts_a_guess, max_passes: int = 24, **optio
 
 
 # %% [markdown]
-# Lookahead, the draft model and Medusa with `--fixed-size` (the paper's whole tree every pass): on
-# this CPU, cost-aware drafting would cut Lookahead's tree to its likeliest branch and stop the
-# self-draft (the model's first 4 layers) and Medusa's heads from guessing at all, as they are rarely right.
+# Every method with `--fixed-size` (the paper's whole tree every pass), so that what you see is the
+# same on every machine: cost-aware drafting, decode.py's default, would first measure this
+# machine's L(n) and then cut the trees to what pays on it (on a 2-core CPU, Lookahead's to its
+# likeliest branch; the self-draft (the model's first 4 layers) and Medusa's heads would stop
+# guessing at all, as they are rarely right).
 
 # %%
-walk("anpd")
+walk("anpd", fixed_size=True)
 walk("lookahead", keeps_a_path_that_is_not_a_prefix, fixed_size=True)
 walk("speculative", fixed_size=True)
 walk("medusa", fixed_size=True)
-walk("ppd")
+walk("ppd", fixed_size=True)
 
 
 # %% [markdown]
