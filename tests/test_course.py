@@ -27,8 +27,10 @@ from mistakes import MISTAKES  # noqa: E402
 def graded(tmp_path, name, *args, shrunk=False) -> dict[str, str]:
     """Run the graders here with `args`: {test id: its failure message, "" when it passed} (two at once:
     each grader runs torch on one thread, course/conftest.py). Unless `shrunk`, a failing example is
-    reported as found (tests/helpers.py's "unshrunk" profile), not shrunk as a student's run shrinks it."""
-    profile = {} if shrunk else {"HYPOTHESIS_PROFILE": "unshrunk"}
+    reported as found (tests/helpers.py's "unshrunk" profile), not shrunk as a student's run shrinks it;
+    a thorough run (HYPOTHESIS_PROFILE=thorough) grades with its own profile, shrinking."""
+    default_run = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
+    profile = {"HYPOTHESIS_PROFILE": "unshrunk"} if default_run and not shrunk else {}
     return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args, env=os.environ | profile)
 
 
