@@ -34,7 +34,8 @@ settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True
 settings.register_profile("thorough", deadline=None, max_examples=500)
 # For runs that need only to know which tests fail (tests/test_course.py grading the starters and the
 # planted mistakes): the first failing example, not shrunk (shrinking took over half of those runs).
-settings.register_profile("unshrunk", settings.get_profile("ci"), phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.register_profile("unshrunk", settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # For properties that cost milliseconds per example: at least 200 examples, whatever the profile (25
 # let a planted mistake through once; tests/test_course.py keeps checking that the graders catch them).
@@ -367,19 +368,18 @@ def assert_equals_vanilla_greedy(model, prompt, max_new_tokens, eos_ids, drafter
     assert guessed.stop_reason == vanilla.stop_reason
 
 
-VANILLA_ANSWERS = weakref.WeakKeyDictionary()  # model -> {(prompt ids, max_new_tokens): its greedy generation}
+VANILLA_ANSWERS = weakref.WeakKeyDictionary()  # model -> {(prompt ids, max_new_tokens, eos ids): its generation}
 
 
-def vanilla_answer(model, tokenizer, text: str, max_new_tokens: int):
-    """The model's vanilla greedy generation for a chat prompt, generated once per process (the tests on
-    the default model check several methods against the same answers, a few seconds each)."""
-    ids = tokenizer.prompt_ids(text, raw=False)
+def vanilla_answer(model, ids: list[int], max_new_tokens: int, eos_ids):
+    """The model's vanilla greedy generation for `ids`, generated once per process (the tests on the
+    default model check several methods against the same answers, a few seconds each)."""
     answers = VANILLA_ANSWERS.setdefault(model, {})
-    if (tuple(ids), max_new_tokens) not in answers:
+    key = (tuple(ids), max_new_tokens, frozenset(eos_ids))
+    if key not in answers:
         with torch.inference_mode():
-            answers[tuple(ids), max_new_tokens] = generate(model, ids, max_new_tokens=max_new_tokens,
-                                                           eos_ids=tokenizer.eos_ids)
-    return answers[tuple(ids), max_new_tokens]
+            answers[key] = generate(model, ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    return answers[key]
 
 
 def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
@@ -389,7 +389,7 @@ def assert_shipped_guesser_equals_vanilla(model, tokenizer, drafter):
         ids = tokenizer.prompt_ids(prompt, raw=False)
         with torch.inference_mode():
             guessed = generate(model, ids, max_new_tokens=48, eos_ids=tokenizer.eos_ids, drafter=drafter)
-        assert guessed.token_ids == vanilla_answer(model, tokenizer, prompt, 48).token_ids
+        assert guessed.token_ids == vanilla_answer(model, ids, 48, tokenizer.eos_ids).token_ids
         assert guessed.counts.guesses_accepted > 0
 
 

@@ -195,7 +195,7 @@ def test_default_model_methods_equal_vanilla(default_model, default_tokenizer, m
     total_passes = total_tokens = 0
     for text in PROMPTS:  # one drafter for all prompts: Lookahead's trie carries over
         prompt = default_tokenizer.prompt_ids(text, raw=False)
-        vanilla = vanilla_answer(default_model, default_tokenizer, text, 48)
+        vanilla = vanilla_answer(default_model, prompt, 48, default_tokenizer.eos_ids)
         gen = generate(default_model, prompt, drafter=drafter, max_new_tokens=48, eos_ids=default_tokenizer.eos_ids)
         assert gen.token_ids == vanilla.token_ids, text
         total_passes += gen.counts.forward_passes
