@@ -32,11 +32,20 @@ from convert import default_model_dir  # noqa: E402
 HANDOUT_COMMAND = re.compile(r"`(python (?!-m pytest)[^`]+)`")
 
 
+# How a grader run is started, besides what it grades: quietly, leaving no cache, writing a report.
+PYTEST_OPTIONS = ["-q", "-p", "no:cacheprovider"]
+
+
 def graded(folder: Path, report: Path, *args, env=None) -> dict[str, str]:
     """Run the graders in `folder` with pytest arguments `args`: {test id: its failure message, "" when
     it passed}."""
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
+    subprocess.run([sys.executable, "-m", "pytest", *PYTEST_OPTIONS, f"--junitxml={report}", *args],
                    cwd=folder, capture_output=True, text=True, timeout=900, env=env)
+    return results_of(report)
+
+
+def results_of(report: Path) -> dict[str, str]:
+    """A grader run's junit report, read: {test id: its failure message, "" when it passed}."""
     results = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         problem = case.find("failure")

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers import ROOT
+from preloaded_pytest import PreloadedPytest
 
 COURSE = ROOT / "course"
 sys.path.insert(0, str(COURSE))
@@ -24,14 +25,17 @@ from assignments import ASSIGNMENTS  # noqa: E402
 from mistakes import MISTAKES  # noqa: E402
 
 
-def graded(tmp_path, name, *args, shrunk=False) -> dict[str, str]:
+def graded(pytest_runs, tmp_path, name, *args, shrunk=False) -> dict[str, str]:
     """Run the graders here with `args`: {test id: its failure message, "" when it passed} (two at once:
     each grader runs torch on one thread, course/conftest.py). Unless `shrunk`, a failing example is
     reported as found (tests/helpers.py's "unshrunk" profile), not shrunk as a student's run shrinks it;
     a thorough run (HYPOTHESIS_PROFILE=thorough) grades with its own profile, shrinking."""
     default_run = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
     profile = {"HYPOTHESIS_PROFILE": "unshrunk"} if default_run and not shrunk else {}
-    return dry_run.graded(ROOT, tmp_path / f"{name}.xml", *args, env=os.environ | profile)
+    report = tmp_path / f"{name}.xml"
+    pytest_runs.run(ROOT, [*dry_run.PYTEST_OPTIONS, f"--junitxml={report}", *args], os.environ | profile,
+                    log=tmp_path / f"{name}.log")
+    return dry_run.results_of(report)
 
 
 def points_at(name: str, results: dict[str, str]) -> bool:
@@ -41,20 +45,24 @@ def points_at(name: str, results: dict[str, str]) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every grader run CI needs, two at a time: the reference, the starters, each mistake. Shrinking took
-    over half of that time, so failing examples are first left unshrunk; a mistake whose unshrunk
-    message does not point at it is graded again shrunk, as its student would see it. (Shrinking keeps
-    a failure's assertion, so an unshrunk message that points at a mistake is the shrunk one's too.)"""
-    tmp = tmp_path_factory.mktemp("graded")
+    """Every grader run CI needs, two at a time: the reference, the starters, each mistake. Each run is a
+    process of its own, forked from one that imported the libraries once (tests/preloaded_pytest.py).
+    Shrinking took over half of the runs' time, so failing examples are first left unshrunk; a mistake
+    whose unshrunk message does not point at it is graded again shrunk, as its student would see it.
+    (Shrinking keeps a failure's assertion, so an unshrunk message that points at a mistake is the
+    shrunk one's too.)"""
+    tmp, pytest_runs = tmp_path_factory.mktemp("graded"), PreloadedPytest()
     jobs = {"reference": [str(COURSE), "--reference"], "starters": [str(COURSE)]}
     jobs |= {name: [str(COURSE / mistake.assignment), "--mistake", name] for name, mistake in MISTAKES.items()}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(graded, tmp, name.replace("/", "-"), *args) for name, args in jobs.items()}
-        results = {name: future.result() for name, future in futures.items()}
-        again = [name for name in MISTAKES if not points_at(name, results[name])]
-        futures = {name: pool.submit(graded, tmp, name.replace("/", "-") + "-shrunk", *jobs[name], shrunk=True)
-                   for name in again}
-        return results | {name: future.result() for name, future in futures.items()}
+        def grade_all(names, suffix="", shrunk=False):
+            futures = {name: pool.submit(graded, pytest_runs, tmp, name.replace("/", "-") + suffix, *jobs[name],
+                                         shrunk=shrunk) for name in names}
+            return {name: future.result() for name, future in futures.items()}
+
+        results = grade_all(jobs)
+        return results | grade_all([name for name in MISTAKES if not points_at(name, results[name])], "-shrunk",
+                                   shrunk=True)
 
 
 def test_every_grader_passes_against_the_reference(runs):
