@@ -9,6 +9,7 @@ The chat template is the checkpoint's own Jinja template, rendered the way trans
 `apply_chat_template` does (sandboxed, trim_blocks and lstrip_blocks, `raise_exception`).
 """
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -123,6 +124,19 @@ def check_fits(tokenizer: Tokenizer, model_vocab_size: int, folder: Path) -> Non
 
 def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:
     from jinja2 import TemplateError
+
+    try:
+        return compiled_chat_template(template).render(messages=messages, add_generation_prompt=True,
+                                                       **special_tokens)
+    except TemplateError as err:  # (its syntax errors too)
+        raise UserError(f"the checkpoint's chat template failed: {err}") from None
+
+
+@functools.cache
+def compiled_chat_template(template: str):
+    """The template compiled once: compiling takes ~10 ms, rendering a fraction of one (preparing APAR's
+    training prompts renders it 7,600 times)."""
+    from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -133,11 +147,7 @@ def render_chat_template(template: str, messages: list[dict], special_tokens: di
     env.filters["tojson"] = lambda obj, indent=None, **_: json.dumps(obj, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                **special_tokens)
-    except TemplateError as err:
-        raise UserError(f"the checkpoint's chat template failed: {err}") from None
+    return env.from_string(template)
 
 
 class HFTokenizersBackend:
