@@ -5,6 +5,7 @@ test_course.py grades the course 48 times, each run in a fresh process as a stud
 course` is. A grader run whose tests take 1 s took 8-9 s, 4-5 s of them importing these libraries
 (`python -X importtime -m pytest -s course/a5_ngrams --reference`). A forked run is still its own
 process: the project's modules, and a planted mistake's patches of them, are imported fresh in it.
+(A forkserver needs a POSIX system: Linux, where CI runs, or macOS.)
 """
 
 import multiprocessing
