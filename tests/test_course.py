@@ -32,9 +32,9 @@ def graded(pytest_runs, tmp_path, name, *args, shrunk=False) -> dict[str, str]:
     a thorough run (HYPOTHESIS_PROFILE=thorough) grades with its own profile, shrinking."""
     default_run = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci"
     profile = {"HYPOTHESIS_PROFILE": "unshrunk"} if default_run and not shrunk else {}
-    report = tmp_path / f"{name}.xml"
-    pytest_runs.run(ROOT, [*dry_run.PYTEST_OPTIONS, f"--junitxml={report}", *args], os.environ | profile,
-                    log=tmp_path / f"{name}.log")
+    report, log = tmp_path / f"{name}.xml", tmp_path / f"{name}.log"
+    code = pytest_runs.run(ROOT, [*dry_run.PYTEST_OPTIONS, f"--junitxml={report}", *args], os.environ | profile, log)
+    assert report.exists(), f"the grader run {name} ended with {code} and wrote no report: its output is in {log}"
     return dry_run.results_of(report)
 
 
