@@ -95,8 +95,6 @@ from calibrate import LATENCY_SIZES, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
 from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, describe_picks, kernel_times, prepare_kernels
-from cpu_compiled import require_cpu
-from cuda_graphs import require_gpu
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
@@ -104,7 +102,8 @@ from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserE
 from latency import Latency
 from lists_due import list_due
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
-                     apar_guesser, build_drafter, decoding_model, default_options, refuse_idle, spoken_list)
+                     apar_guesser, build_drafter, checked_pass_ways, decoding_model, default_options, refuse_idle,
+                     spoken_list)
 from model import DTYPES, load_checkpoint, parse_device
 from progress import Progress
 from sampling import Sampling
@@ -882,7 +881,7 @@ def bench_latency(name, args, tokenizer, report):
         ours_runs, plain_runs, theirs_runs = [], [], []
         for _ in range(args.rounds):
             ours_runs.append(ours_tokens_per_second(ours, ids, args.new_tokens))
-            if args.compile:  # the same model uncompiled, in the same rounds
+            if ours is not plain:  # the same model eager (not compiled or fused), in the same rounds
                 plain_runs.append(ours_tokens_per_second(plain, ids, args.new_tokens))
             if theirs:
                 theirs_runs.append(theirs_tokens_per_second(theirs, ids, args.new_tokens))
@@ -894,8 +893,8 @@ def bench_latency(name, args, tokenizer, report):
         print(f"  {prompt[:40]!r}: ours {ours_tps:.1f} tok/s", file=sys.stderr, flush=True)
     report.table(f"{name}: vanilla greedy decoding, {args.new_tokens} new tokens, tokens/s (median of {args.rounds} "
                  "rounds)", [Column("prompt"), Column("ours", "ours tok/s", "{:.1f}"),
-                             Column("uncompiled", "ours uncompiled tok/s (--compile)", "{:.1f}"),
-                             Column("compiled_ratio", "compiled / uncompiled", "{:.2f}x"),
+                             Column("uncompiled", "ours eager tok/s (--compile, --fused)", "{:.1f}"),
+                             Column("compiled_ratio", "compiled or fused / eager", "{:.2f}x"),
                              Column("transformers", "transformers tok/s", "{:.1f}"),
                              Column("ratio", "ours / transformers", "{:.2f}x")], lines,
                  kind="vanilla_speed", dtype=name)
@@ -930,6 +929,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="on a CPU: our decoding passes compiled by torch.compile (cpu_compiled.py); latency also "
                         "times the uncompiled model in the same rounds")
+    p.add_argument("--fused", action="store_true",
+                   help="on a CPU, in float32: our decoding passes as one loop compiled by numba each (cpu_fused.py); "
+                        "latency also times the eager model in the same rounds")
     p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
                    help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
@@ -1007,14 +1009,15 @@ def machine(device: torch.device) -> dict:
 # the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
 # read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
 READS = {
-    "methods": {"categories", "compile", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods", "new_tokens",
+    "methods": {"categories", "compile", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "fused", "llama_cpp", "methods",
+                "new_tokens",
                 "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
     "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
              "new_tokens", "prompts"},
-    "latency": {"compile", "cuda_graphs", "device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
+    "latency": {"compile", "cuda_graphs", "device", "dtypes", "fused", "new_tokens", "reps", "rounds", "skip_transformers"},
 }
 
 
@@ -1035,13 +1038,11 @@ def bench_command(argv) -> None:
     except ValueError as err:
         raise UserError(str(err)) from None
     args.device = parse_device(args.device)
-    if args.cuda_graphs:
-        require_gpu(args.device)
-    if args.compile:
-        require_cpu(args.device)
+    checked_pass_ways(args, args.device, [DTYPES[name] for name in args.dtypes])
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run
-    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs, "compiled": args.compile})
+    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs, "compiled": args.compile,
+                                                         "fused": args.fused})
     print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
     with torch.inference_mode():

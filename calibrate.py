@@ -30,6 +30,7 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
+from cpu_fused import FusedModel
 from cpu_kernels import Linear, cpu_name, describe_choice
 from cuda_graphs import GraphedModel
 from decode import generate, score_tree
@@ -191,11 +192,11 @@ def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_
 
 def machine_key(model) -> str:
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"{cpu_name()} x{os.cpu_count()}"
-    if isinstance(model, GraphedModel):  # its passes cost what the plain model's do not
+    if isinstance(model, GraphedModel | FusedModel):  # its passes cost what the plain model's do not
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.picks]
-    if model.device.type == "cpu" and linears:  # L(n) is that of this CPU's fastest kernels for 1, 2, ...
+    if model.device.type == "cpu" and linears and not isinstance(model, FusedModel):  # (its products: one kernel)  # L(n) is that of this CPU's fastest kernels for 1, 2, ...
         # rows (cpu_kernels.few_row_picks): the key names how they are chosen, not the choice, which each
         # process measures anew and near ties flip (on 2 noisy AVX2 cores: a new key, and L(n) measured
         # again, 25 s of a 30-second run, every run); each run corrects the saved L(n) by its own passes

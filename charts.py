@@ -126,7 +126,8 @@ def calibration_figure(machine: str, methods: dict[str, dict]):
 def machine_label(machine: dict) -> str:
     """Where a bench.py run measured: the GPU or the CPU model, its cores and threads, torch."""
     where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
-    graphs = " (CUDA graphs)" if machine.get("cuda_graphs") else " (compiled)" if machine.get("compiled") else ""
+    graphs = next((f" ({label})" for key, label in [("cuda_graphs", "CUDA graphs"), ("compiled", "compiled"),
+                                                   ("fused", "fused")] if machine.get(key)), "")
     return (f"{where} · {machine.get('device', '?')}{graphs} · {machine.get('threads', '?')} threads · "
             f"torch {machine.get('torch', '?')}")
 

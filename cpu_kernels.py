@@ -164,15 +164,20 @@ def start_numba_threads() -> None:
     torch.set_num_threads(threads)
 
 
+def numba_threads_as_torch() -> None:
+    """numba's parallel loops on as many threads as torch's (numba keeps its own count, per calling thread)."""
+    start_numba_threads()
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+
+
 def numba_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T by `dot_rows`, on the weight's own memory (no copy). x: [..., I], weight: [O, I] -> [..., O].
     A step calls this 121 times, so the arrays around the kernel are numpy's, handed to and from torch
     without a copy: torch's allocation and views cost more dispatch (a call 20 us against 11 on 2 AVX2
     EPYC cores, 1-2 ms of a pass's products)."""
-    start_numba_threads()
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != threads:  # as many as torch's (numba keeps its own count, per calling thread)
-        numba.set_num_threads(threads)
+    numba_threads_as_torch()
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
     dot_rows(weight.detach().numpy(), np.ascontiguousarray(x.numpy().reshape(-1, x.shape[-1])),
              out.reshape(-1, weight.shape[0]))

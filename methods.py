@@ -32,6 +32,7 @@ from cost_aware import CostAware, Costs
 from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
 from cpu_compiled import CompiledModel, require_cpu
+from cpu_fused import FusedModel, require_float32_cpu
 from cuda_graphs import GraphedModel, require_gpu
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
@@ -343,6 +344,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="on a CPU: compile each decoding pass with torch.compile, its small operations fused "
                         "(cpu_compiled.py): about a minute per tree size the first time, then faster passes; "
                         "the same tokens in float32")
+    p.add_argument("--fused", action="store_true",
+                   help="on a CPU, in float32: run each decoding pass as one loop compiled by numba (cpu_fused.py): "
+                        "no dispatch between its operations, and every method's tokens vanilla's bit for bit")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
@@ -385,7 +389,7 @@ def flag(dest: str) -> str:
 
 
 def decoding_model(model, args):
-    """`model` as --cuda-graphs or --compile run its decoding passes. Compiled, TorchDynamo first drops
+    """`model` as --cuda-graphs, --compile or --fused run its decoding passes. Compiled, TorchDynamo first drops
     the programs compiled for earlier models in this process (bench.py's earlier --dtypes): kept, they
     slowed the next one (`bench.py latency --compile`, compiled vanilla in bfloat16: 69.7-72.4 tokens/s
     after float32's, 78.1-80.3 alone; docs/results.md)."""
@@ -394,22 +398,31 @@ def decoding_model(model, args):
     if args.compile:
         torch._dynamo.reset()
         return CompiledModel(model)
+    if args.fused:
+        return FusedModel(model)
     return model
+
+
+def checked_pass_ways(args, device: torch.device, dtypes: list[torch.dtype]) -> list[str]:
+    """Which of --cuda-graphs, --compile and --fused `args` asks for (at most one), each checked for
+    `device` and `dtypes`."""
+    checks = {"cuda_graphs": lambda: require_gpu(device), "compile": lambda: require_cpu(device),
+              "fused": lambda: [require_float32_cpu(device, dtype) for dtype in dtypes]}
+    chosen = [dest for dest in checks if getattr(args, dest)]
+    if len(chosen) > 1:
+        raise UserError(f"{' and '.join(map(flag, chosen))} each run the decoding passes their own way: choose one")
+    for dest in chosen:
+        checks[dest]()
+    return chosen
 
 
 def load(args, method: Method):
     """The model and tokenizer the options name, with a progress line on stderr."""
     device = parse_device(args.device)
-    if args.cuda_graphs:  # refused before the model is converted or loaded
-        require_gpu(device)
-        if method.engine is not None:
-            raise UserError(f"--cuda-graphs records the guess-and-verify loop's passes; --method {method.name} "
-                            "runs its own engine")
-    if args.compile:
-        require_cpu(device)
-        if method.engine is not None:
-            raise UserError(f"--compile compiles the guess-and-verify loop's passes; --method {method.name} "
-                            "runs its own engine")
+    for dest in checked_pass_ways(args, device, [DTYPES[args.dtype]]):  # refused before the model is converted
+        if method.engine is not None:  # or loaded
+            raise UserError(f"{flag(dest)} runs the guess-and-verify loop's passes; --method {method.name} runs "
+                            "its own engine")
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)

@@ -87,13 +87,14 @@ EVERY_DRAFTER_ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.
 
 
 def every_drafter(model) -> dict:
-    """One drafter of every lossless method for a tiny float64 `model` (random Medusa heads and PPD
-    soft tokens, so that their trees are full of guesses), on the model's device."""
-    heads = MedusaHeads(model.config.hidden_size, 3).double()
+    """One drafter of every lossless method for a tiny `model` (random Medusa heads and PPD soft tokens, so
+    that their trees are full of guesses), on the model's device, in its dtype."""
+    heads = MedusaHeads(model.config.hidden_size, 3).to(model.dtype)
     torch.manual_seed(0)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.3)
     soft = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    soft = soft.to(model.dtype)
     accuracy = EVERY_DRAFTER_ACCURACY
     return {
         "anpd": NGramDrafter(n=3, k=4),

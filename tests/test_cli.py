@@ -207,6 +207,22 @@ def test_compile_with_apar_is_a_clear_error(capsys, tiny_folder):
                                    "--prompt", "hi")[::2], "its own engine")
 
 
+@pytest.mark.parametrize("options, says", [
+    (["--dtype", "bfloat16"], "add --dtype float32"),
+    (["--device", "cuda"], "for a CPU" if torch.cuda.is_available() else "CUDA is not available"),
+    (["--method", "apar"], "its own engine"), (["--compile"], "choose one")])
+def test_fused_where_it_cannot_run_is_a_clear_error(capsys, tiny_folder, options, says):
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--fused", *options, "--prompt", "hi")[::2],
+                          says)
+
+
+def test_fused_decodes_the_tiny_model_as_vanilla(capsys, tiny_folder):
+    plain, fused = (json.loads(run_cli(capsys, "--model", str(tiny_folder), "--raw", "--method", "anpd", "--fixed-size",
+                                       *extra, "--prompt", "the quick brown", "--max-new-tokens", "20", "--json")[1])
+                    for extra in ([], ["--fused"]))
+    assert fused["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 20
+
+
 def test_missing_model_directory(capsys, tmp_path):
     assert_one_line_error(*run_cli(capsys, "--model", str(tmp_path / "nope"), "--prompt", "hi")[::2],
                           "does not exist")

@@ -1,0 +1,216 @@
+"""Each decoding pass as one loop compiled by numba, on a CPU (`--fused`): the pass without PyTorch's
+dispatch, and every input row computed alike, whatever else shares its pass.
+
+A float32 decoding pass of the default model reads its 538 MB of weights once (the matrix products,
+cpu_kernels.py) and spends the rest of its time in ~1,800 small tensor operations between them (norms,
+rotary, attention, the cache's writes), each a few microseconds of Python and dispatch whatever its size.
+Here the whole pass is one call: `layers_pass` runs model.py's computation (RMSNorm, RoPE, grouped-query
+attention over the cache with the tree's mask, SwiGLU) as plain loops that numba compiles, the products
+by cpu_kernels.dot_rows. What it costs, against model.py's eager pass and llama.cpp, is measured in
+docs/results.md ("One compiled loop per pass"). It is the route llama.cpp takes (one C function per
+operation, no framework between them), written here in Python's syntax.
+
+**Batch invariance.** The same loop computes each input row the same way whatever the other rows of
+its pass are: a row's dot products run through the one compiled loop of `dot_rows` (its summation order
+depends on the row's length, never on how many rows come with it), each norm and each SwiGLU is summed
+row by row, and each query attends to a list of the slots it may see, gathered in slot order, so that a
+token attends in a tree pass to exactly the values it attends to in a plain decoding step, in the same
+order. So the hidden state and logits of an accepted guess are bit for bit those vanilla decoding
+computes for that token (the K/V it left in the cache too), and every lossless method's output is
+vanilla's by construction in float32, near-ties included, not only up to rounding as with PyTorch's
+kernels, whose results for a row change with the number of rows (He and Thinking Machines Lab 2025,
+"Defeating Nondeterminism in LLM Inference", on batch-invariant kernels). The tests check it.
+
+Passes that do not fit run model.py's pass instead: more than `MAX_ROWS` inputs (a long prompt's
+prefill, whose products are faster in MKL's GEMM: 512 tokens 1.4 s against 3.0 here), a batch, gradients,
+or a cache that is not a KVCache (APAR's pooled slots, training's frozen prefix). A prompt's prefill of
+`MAX_ROWS` tokens or fewer runs here, so a short prompt's K/V are the same for every method too; a
+longer one's are model.py's (every method gets the same, but a pass with extra inputs on the prompt,
+PPD's, may round its rows differently: equal to vanilla up to float32's rounding, as without --fused).
+"""
+
+import math
+
+import numba
+import numpy as np
+import torch
+
+from cpu_kernels import dot_rows, numba_threads_as_torch
+from errors import UserError
+from kv_cache import KVCache
+
+MAX_ROWS = 64  # inputs per fused pass at most: trees of guesses, short prompts
+
+
+def require_float32_cpu(device: torch.device, dtype: torch.dtype) -> None:
+    """--fused's one check, made before any work."""
+    if device.type != "cpu":
+        raise UserError("--fused compiles the decoding passes for a CPU; on a GPU use --cuda-graphs")
+    if dtype != torch.float32:
+        raise UserError("--fused runs float32 passes (numba has no bfloat16); add --dtype float32")
+
+
+@numba.njit(fastmath=True, cache=True)
+def norm_rows(x, weight, eps, out):
+    """RMSNorm, row by row: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight. x, out: [R, D]."""
+    for r in range(x.shape[0]):
+        total = numba.float32(0.0)
+        for i in range(x.shape[1]):
+            total += x[r, i] * x[r, i]
+        scale = numba.float32(1.0) / np.sqrt(total / numba.float32(x.shape[1]) + numba.float32(eps))
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] * scale * weight[i]
+
+
+@numba.njit(fastmath=True, cache=True)
+def rotate(heads, position, inv_freq):
+    """RoPE in place, rotate-half layout as model.apply_rotary: each pair (x_i, x_{i+E/2}) of each head
+    turned by position * theta_i. heads: [heads, E]; inv_freq: [E/2] float32."""
+    half = heads.shape[1] // 2
+    for i in range(half):
+        angle = numba.float32(position) * inv_freq[i]
+        cos, sin = np.cos(angle), np.sin(angle)
+        for head in range(heads.shape[0]):
+            a, b = heads[head, i], heads[head, half + i]
+            heads[head, i] = a * cos - b * sin
+            heads[head, half + i] = b * cos + a * sin
+
+
+@numba.njit(fastmath=True, cache=True)
+def attend(query, keys, values, seen, count, out):
+    """softmax(q k^T / sqrt(E)) v over the `count` slots `seen[:count]` (ascending). query, out: [E];
+    keys, values: [slots, E] of one K/V head."""
+    scale = numba.float32(1.0 / math.sqrt(query.shape[0]))
+    scores = np.empty(count, dtype=np.float32)
+    top = numba.float32(-np.inf)
+    for j in range(count):
+        key = keys[seen[j]]
+        total = numba.float32(0.0)
+        for e in range(query.shape[0]):
+            total += query[e] * key[e]
+        scores[j] = total * scale
+        top = max(top, scores[j])
+    mass = numba.float32(0.0)
+    for j in range(count):
+        scores[j] = np.exp(scores[j] - top)
+        mass += scores[j]
+    out[:] = 0.0
+    for j in range(count):
+        weight, value = scores[j] / mass, values[seen[j]]
+        for e in range(out.shape[0]):
+            out[e] += weight * value[e]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def attention(qkv, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, out):
+    """One layer's attention for T inputs: rotate each input's queries and keys, write its K/V to its slot,
+    then each query head attends over the slots its row of `mask` allows. qkv: [T, (H + 2K) E] (rotated in
+    place); keys, values: [K, slots, E] (the layer's cache); slots: [T]; mask: [T, S]; out: [T, H E]."""
+    T, E = qkv.shape[0], keys.shape[2]
+    for t in range(T):
+        row = qkv[t].reshape(heads + 2 * kv_heads, E)
+        rotate(row[:heads + kv_heads], positions[t], inv_freq)
+        for kv in range(kv_heads):
+            keys[kv, slots[t]] = row[heads + kv]
+            values[kv, slots[t]] = row[heads + kv_heads + kv]
+    group = heads // kv_heads  # query heads per K/V head (GQA)
+    for job in numba.prange(T * heads):
+        t, head = job // heads, job % heads
+        seen = np.empty(mask.shape[1], dtype=np.int64)  # the slots row t may see, in slot order
+        count = 0
+        for s in range(mask.shape[1]):
+            if mask[t, s]:
+                seen[count] = s
+                count += 1
+        attend(qkv[t, head * E:(head + 1) * E], keys[head // group], values[head // group], seen, count,
+               out[t, head * E:(head + 1) * E])
+
+
+@numba.njit(fastmath=True, cache=True)
+def swiglu(gate_up, out):
+    """silu(gate) * up, row by row. gate_up: [R, 2F] (gate, then up); out: [R, F]."""
+    width = out.shape[1]
+    for r in range(gate_up.shape[0]):
+        for i in range(width):
+            gate = gate_up[r, i]
+            out[r, i] = gate / (numba.float32(1.0) + np.exp(-gate)) * gate_up[r, width + i]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def layers_pass(x, layers, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, eps, final_norm, out):
+    """Every layer over T inputs, then the final norm into `out`: model.Llama.hidden_states as loops.
+    x: [T, D] (the inputs' embeddings, overwritten: the residual stream); layers: per layer (attention
+    norm, wqkv, wo, MLP norm, w_gate_up, w_down); keys, values: [layers, 1, K, capacity, E], the cache;
+    slots, positions: [T]; mask: [T, S] over the cache's first S slots; out: [T, D]."""
+    T, E = x.shape[0], keys.shape[4]
+    normed, update = np.empty_like(x), np.empty_like(x)
+    for layer in range(len(layers)):
+        attention_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = layers[layer]
+        norm_rows(x, attention_norm, eps, normed)
+        qkv = np.empty((T, wqkv.shape[0]), dtype=np.float32)
+        dot_rows(wqkv, normed, qkv)
+        attended = np.empty((T, heads * E), dtype=np.float32)
+        attention(qkv, positions, inv_freq, keys[layer, 0], values[layer, 0], slots, mask, heads, kv_heads, attended)
+        dot_rows(wo, attended, update)
+        x += update
+        norm_rows(x, mlp_norm, eps, normed)
+        gate_up = np.empty((T, w_gate_up.shape[0]), dtype=np.float32)
+        dot_rows(w_gate_up, normed, gate_up)
+        activated = np.empty((T, w_gate_up.shape[0] // 2), dtype=np.float32)
+        swiglu(gate_up, activated)
+        dot_rows(w_down, activated, update)
+        x += update
+    norm_rows(x, final_norm, eps, out)
+
+
+class FusedModel:
+    """A Llama whose decoding passes run as `layers_pass` (see the module docstring), and whose logits
+    come from the same product loop; everything else (config, embed, first_layers, ...) is the wrapped
+    model's."""
+
+    LABEL = "fused"  # in the key of this machine's saved L(n) (calibrate.machine_key)
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = tuple(tuple(p.detach().numpy() for p in (
+            block.attention_norm.weight, block.attention.wqkv.weight, block.attention.wo.weight,
+            block.mlp_norm.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight)) for block in model.layers)
+        self.final_norm = model.norm.weight.detach().numpy()
+        self.inv_freq = model.inv_freq.to(torch.float32).numpy()
+
+    def __getattr__(self, name):  # called only for what FusedModel does not define itself
+        return getattr(self.model, name)
+
+    def __call__(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
+        """(logits [B, T, V], hidden states [B, T, D]), as Llama.forward."""
+        hidden = self.hidden_states(tokens, embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
+        return self.logits(hidden), hidden
+
+    def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
+        """model.hidden_states, as one fused pass where the pass fits one."""
+        if embeds is None:
+            embeds = self.model.embed(tokens)
+        B, T, _ = embeds.shape
+        if (B > 1 or T > MAX_ROWS or type(cache) is not KVCache or cache.keys.shape[1] != 1
+                or embeds.requires_grad):
+            return self.model.hidden_states(embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
+        slot_numbers = np.arange(cache.length)[slots if isinstance(slots, slice) else slots.numpy()]  # [T]
+        if mask is None:  # as model.hidden_states: the whole cache before the new inputs, causal among them
+            seen = np.arange(cache.length)
+            allowed = seen[None, :] <= slot_numbers[:, None]  # [T, S]
+        else:
+            allowed = mask.reshape(T, -1).numpy()
+        numba_threads_as_torch()
+        hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
+        layers_pass(embeds[0].numpy().copy(), self.layers, positions.reshape(T).numpy(), self.inv_freq,
+                    cache.keys.numpy(), cache.values.numpy(), slot_numbers, allowed, self.config.num_heads,
+                    self.config.num_kv_heads, self.config.rms_norm_eps, self.final_norm, hidden)
+        return torch.from_numpy(hidden).view(1, T, -1)
+
+    def logits(self, hidden):
+        """[..., D] -> [..., V] by the same product loop, whatever the number of rows."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).numpy()
+        out = np.empty((len(rows), self.config.vocab_size), dtype=np.float32)
+        numba_threads_as_torch()
+        dot_rows(self.model.lm_head.weight.detach().numpy(), np.ascontiguousarray(rows), out)
+        return torch.from_numpy(out).view(*hidden.shape[:-1], -1)

@@ -1,0 +1,138 @@
+"""--fused (cpu_fused.py): a decoding pass as one numba loop gives model.py's hidden states, logits and K/V
+to float32's rounding; computes each input row bit for bit as it would be computed alone (a guess in a
+tree as the plain decoding step that would reach it); so every method's tokens equal fused vanilla's
+exactly, on random tiny models and on the default model; and passes it does not run (too many rows, a
+batch) are model.py's own."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import cpu_fused
+from cpu_fused import MAX_ROWS, FusedModel
+from cpu_kernels import Linear
+from decode import generate
+from drafters import NGramDrafter, TrieDrafter
+from helpers import RandomGuesses, every_drafter, random_model, tiny_hf_config, trees
+from kv_cache import KVCache
+from tree import Tree
+
+VOCAB = 64
+
+
+def float32_model(seed: int = 0, **config):
+    """A tiny float32 Llama whose layers multiply as prepare_kernels has them on 2 AVX2 EPYC cores: numba's
+    kernel for one row, oneDNN's for more (whose sums for a row change with the rows beside it)."""
+    model = random_model(tiny_hf_config(vocab=VOCAB, **config), seed=seed, dtype=torch.float32)
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.picks = {1: "numba"}
+    return model
+
+
+def prefilled(model, prefix: list[int], room: int) -> KVCache:
+    cache = KVCache.for_model(model, capacity=len(prefix) + room)
+    model(torch.tensor([prefix]), positions=torch.arange(len(prefix)), cache=cache, slots=cache.claim(len(prefix)))
+    return cache
+
+
+def tree_pass(model, cache: KVCache, tree: Tree):
+    """(hidden states [N, D], logits [N, V]) of one pass over `tree`'s nodes after what `cache` holds."""
+    start = cache.length
+    slots = cache.claim(len(tree))
+    mask = None if len(tree) == 1 else tree.input_mask(start, "cpu")
+    hidden = model.hidden_states(embeds=model.embed(torch.tensor([tree.tokens])),
+                                 positions=tree.input_positions(start, "cpu"), cache=cache, slots=slots, mask=mask)
+    return hidden[0], model.logits(hidden[0])
+
+
+prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
+
+
+@given(prefix=prefixes, tree=trees(max_nodes=20), seed=st.integers(0, 3))
+def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(prefix, tree, seed):
+    plain = float32_model(seed)
+    fused = FusedModel(plain)
+    outputs, caches = {}, {}
+    with torch.inference_mode():
+        for name, m in [("plain", plain), ("fused", fused)]:
+            caches[name] = prefilled(m, prefix, len(tree))
+            outputs[name] = tree_pass(m, caches[name], tree)
+    for ours, theirs in zip(outputs["fused"], outputs["plain"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for part in ("keys", "values"):
+        torch.testing.assert_close(getattr(caches["fused"], part), getattr(caches["plain"], part), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@given(prefix=prefixes, tree=trees(max_nodes=20), node=st.integers(0, 19), seed=st.integers(0, 3))
+def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_it(prefix, tree, node, seed):
+    """The node's hidden state and logits in one pass over the whole tree equal, exactly, those of the plain
+    decoding step that feeds it after its ancestors (one token a pass), and so do the K/V it leaves."""
+    fused = FusedModel(float32_model(seed))
+    node %= len(tree)
+    path = [node]
+    while tree.parents[path[-1]] != -1:
+        path.append(tree.parents[path[-1]])
+    path.reverse()
+    with torch.inference_mode():
+        in_tree = prefilled(fused, prefix, len(tree))
+        hidden, logits = tree_pass(fused, in_tree, tree)
+        one_by_one = prefilled(fused, prefix, len(tree))
+        for step in path:
+            alone_hidden, alone_logits = tree_pass(fused, one_by_one, Tree([tree.tokens[step]], [-1]))
+        in_tree.keep(len(prefix), path)
+    assert torch.equal(hidden[node], alone_hidden[0])
+    assert torch.equal(logits[node], alone_logits[0])
+    for part in ("keys", "values"):
+        assert torch.equal(getattr(in_tree, part)[:, :, :, :in_tree.length],
+                           getattr(one_by_one, part)[:, :, :, :one_by_one.length])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_method_gives_fused_vanillas_tokens_exactly(seed):
+    fused = FusedModel(float32_model(seed, max_position_embeddings=256))
+    prompt = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.inference_mode():
+        vanilla = generate(fused, prompt, max_new_tokens=80, eos_ids=set())
+        drafters = every_drafter(fused) | {"anpd-k8": NGramDrafter(n=2, k=8),
+                                            "random guesses": RandomGuesses(vanilla.token_ids, VOCAB, seed=seed,
+                                                                            nodes=12)}
+        for name, drafter in drafters.items():
+            gen = generate(fused, prompt, max_new_tokens=80, eos_ids=set(), drafter=drafter)
+            assert gen.token_ids == vanilla.token_ids, name
+            if name == "random guesses":
+                assert gen.counts.guesses_accepted > 20, "the test should accept guesses at many depths"
+
+
+def test_fused_greedy_tokens_are_model_pys():
+    plain = float32_model(2, max_position_embeddings=256)
+    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        assert (generate(FusedModel(plain), prompt, max_new_tokens=100, eos_ids=set()).token_ids
+                == generate(plain, prompt, max_new_tokens=100, eos_ids=set()).token_ids)
+
+
+def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch):
+    plain = float32_model(3)
+    fused = FusedModel(plain)
+    monkeypatch.setattr(cpu_fused, "layers_pass", None)  # a call to it would fail
+    tokens = torch.randint(0, VOCAB, (2, MAX_ROWS + 1), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for batch in (tokens[:1], tokens[:, :MAX_ROWS]):  # more rows than it fuses; a batch
+            caches = [KVCache.for_model(plain, capacity=batch.shape[1], batch=len(batch)) for _ in range(2)]
+            ours, theirs = [m.hidden_states(batch, positions=torch.arange(batch.shape[1]), cache=cache,
+                                            slots=cache.claim(batch.shape[1])) for m, cache in zip((fused, plain), caches)]
+            assert torch.equal(ours, theirs)
+
+
+def test_the_default_model_fused_decodes_as_vanilla_and_every_guesser_as_fused_vanilla(default_model,
+                                                                                       default_tokenizer):
+    fused = FusedModel(default_model)
+    prompt = default_tokenizer.prompt_ids("List three things a cat likes, then three a dog likes.", raw=False)
+    eos = default_tokenizer.eos_ids
+    with torch.inference_mode():
+        vanilla = generate(fused, prompt, max_new_tokens=40, eos_ids=eos)
+        assert vanilla.token_ids == generate(default_model, prompt, max_new_tokens=40, eos_ids=eos).token_ids
+        for drafter in (NGramDrafter(), TrieDrafter()):
+            assert generate(fused, prompt, max_new_tokens=40, eos_ids=eos, drafter=drafter).token_ids == vanilla.token_ids
