@@ -172,11 +172,13 @@ class FusedModel:
 
     def __init__(self, model):
         self.model = model
-        self.layers = tuple(tuple(p.detach().numpy() for p in (
+        # the weights as numpy arrays for layers_pass (views, no copy; named apart from the model's own
+        # attributes, which reach through __getattr__)
+        self.layer_arrays = tuple(tuple(p.detach().numpy() for p in (
             block.attention_norm.weight, block.attention.wqkv.weight, block.attention.wo.weight,
             block.mlp_norm.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight)) for block in model.layers)
-        self.final_norm = model.norm.weight.detach().numpy()
-        self.inv_freq = model.inv_freq.to(torch.float32).numpy()
+        self.final_norm_array = model.norm.weight.detach().numpy()
+        self.inv_freq_array = model.inv_freq.to(torch.float32).numpy()
 
     def __getattr__(self, name):  # called only for what FusedModel does not define itself
         return getattr(self.model, name)
@@ -202,9 +204,9 @@ class FusedModel:
             allowed = mask.reshape(T, -1).numpy()
         numba_threads_as_torch()
         hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
-        layers_pass(embeds[0].numpy().copy(), self.layers, positions.reshape(T).numpy(), self.inv_freq,
+        layers_pass(embeds[0].numpy().copy(), self.layer_arrays, positions.reshape(T).numpy(), self.inv_freq_array,
                     cache.keys.numpy(), cache.values.numpy(), slot_numbers, allowed, self.config.num_heads,
-                    self.config.num_kv_heads, self.config.rms_norm_eps, self.final_norm, hidden)
+                    self.config.num_kv_heads, self.config.rms_norm_eps, self.final_norm_array, hidden)
         return torch.from_numpy(hidden).view(1, T, -1)
 
     def logits(self, hidden):

@@ -113,6 +113,15 @@ def test_fused_greedy_tokens_are_model_pys():
                 == generate(plain, prompt, max_new_tokens=100, eos_ids=set()).token_ids)
 
 
+def test_the_wrapped_models_own_attributes_show_through():
+    """Whatever builds a drafter from the model (its layers for a self-draft, its embedding, its rotary
+    frequencies) finds the model's own, not the fused model's arrays."""
+    plain = float32_model(0)
+    fused = FusedModel(plain)
+    names = [*plain._modules, *plain._buffers, *plain._parameters, *vars(plain)]
+    assert {name for name in names if not name.startswith("_") and getattr(fused, name) is not getattr(plain, name)} == set()
+
+
 def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch):
     plain = float32_model(3)
     fused = FusedModel(plain)
