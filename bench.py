@@ -118,6 +118,7 @@ KERNEL_ROWS = [1, 2, 4, 8, 16, 64]
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
+EAGER = "vanilla, eager"  # with --fused or --compile: vanilla through model.py's own passes, in the same run
 HINDSIGHT = "best per prompt (hindsight)"  # per prompt, the fastest of ours (vanilla included) in the decode phase
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: the paper's whole tree
@@ -307,9 +308,9 @@ def bench_methods(args, tokenizer, report):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
     llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads()) if args.llama_cpp else None
     for dtype_name in args.dtypes:
-        model = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
-        prepare_kernels(model)
-        model = decoding_model(model, args)
+        plain = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
+        prepare_kernels(plain)
+        model = decoding_model(plain, args)
         greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             greedy_float32 and not args.skip_transformers) else None
@@ -320,7 +321,7 @@ def bench_methods(args, tokenizer, report):
         # which carries over between prompts, is in the same state in every run of a prompt
         drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
                     for _ in range(args.runs)]
-        methods = (["vanilla"] + args.methods + ([PEER] if peer else [])
+        methods = (["vanilla"] + args.methods + ([EAGER] if model is not plain else []) + ([PEER] if peer else [])
                    + (LLAMA_CPP if llama and greedy_float32 else []))
         warm_up(model, peer, tokenizer)
         hindsight = []  # per category: auto's decode speedup, the per-prompt best's
@@ -338,6 +339,9 @@ def bench_methods(args, tokenizer, report):
                     for name, drafter in drafters[run].items():
                         runs[name].append(timed_run(model, prompt_ids, drafter, args, tokenizer.eos_ids, number,
                                                     vanilla.token_ids))
+                    if EAGER in runs:
+                        runs[EAGER].append(timed_run(plain, prompt_ids, Drafter(), args, tokenizer.eos_ids, number,
+                                                     vanilla.token_ids))
                     if PEER in runs:
                         runs[PEER].append(peer.run(prompt_ids, args, tokenizer.eos_ids, vanilla.token_ids))
                     if LLAMA_CPP[0] in runs:
@@ -394,11 +398,12 @@ def report_category(report, dtype_name, category, tallies, args, latency) -> dic
         own = tallies[LLAMA_CPP[0]] if name in LLAMA_CPP else vanilla  # llama.cpp: over its own vanilla
         decode = t.decode_tokens_per_second
         decode_speedup = decode / own.decode_tokens_per_second if decode else None
-        modelled = modelled_speedup(t, vanilla, latency)
+        modelled = None if name == EAGER else modelled_speedup(t, vanilla, latency)  # (vanilla's passes, priced
+        # at the L(n) of the passes measured: 1.00x, whatever eager passes cost)
         rows.append([name, t.new_tokens / t.forward_passes, t.new_tokens / t.seconds, speedup(t, own),
                      decode, decode_speedup, f"{t.same_as_vanilla}/{t.prompts}" if not args.temperature else None,
                      modelled, t.drafting_ms_per_pass])
-        if name not in ("vanilla", HINDSIGHT, PEER, *LLAMA_CPP) and decode_speedup is not None:
+        if name not in ("vanilla", HINDSIGHT, EAGER, PEER, *LLAMA_CPP) and decode_speedup is not None:
             ours[name] = (decode_speedup, modelled)
     report.table(f"{category}, {dtype_name}: {vanilla.prompts} prompts, up to {args.new_tokens} new tokens, {mode}, "
                  f"best of {args.runs} runs" + ("; llama.cpp's speedups are over its own vanilla" if (

@@ -1,5 +1,6 @@
 """Charts of measurements, and how every figure is saved: the speedup per method and category with
-tau on the bars and the step latency L(T)/L(1) from a bench.py results file, and a calibration's tau(n)
+tau on the bars, plain decoding's tokens/s (ours, eager, llama.cpp's) and the step latency L(T)/L(1)
+from a bench.py results file, and a calibration's tau(n)
 and tau(n) L(1)/L(n) with the chosen size marked (decode.py --calibrate). Each is labelled with the
 machine it was measured on. bench.py draws its charts with these, and visualize.py (which draws the
 loop's own pictures) redraws them from a saved file.
@@ -71,6 +72,42 @@ def speedup_figure(tables: list[dict], machine: str):
     return fig
 
 
+def vanillas(table: dict) -> list[str]:
+    """The rows of a methods table that decode plainly: ours, ours eager (a --fused or --compile run's
+    model.py passes), a peer's own vanilla (llama.cpp's); not vanilla timed again."""
+    return [row[0] for row in table["rows"] if row[0] == "vanilla" or row[0].startswith("vanilla, ")
+            or row[0].endswith(" vanilla")]
+
+
+def vanilla_figure(tables: list[dict], machine: str, passes: str):
+    """Plain decoding's decode-phase tokens/s per category (x), one bar per way of decoding plainly in the
+    run (ours as the run decoded, `passes` naming how: "fused", ...; ours eager; llama.cpp's), the number
+    on each bar."""
+    categories = [t["category"] for t in tables]
+    names = vanillas(tables[0])
+    labels = {"vanilla": f"ours ({passes})" if passes else "ours", "vanilla, eager": "ours, eager (model.py's passes)"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(categories) + 2), 4.2))
+    width = 0.8 / len(names)
+    colours = plt.get_cmap("tab10")
+    for n, name in enumerate(names):
+        for c, t in enumerate(tables):
+            values = dict(zip(t["columns"], next(r for r in t["rows"] if r[0] == name)))
+            x = c - 0.4 + width * (n + 0.5)
+            rate = values["decode_tokens_per_second"] or 0.0
+            ax.bar(x, rate, width, color=colours(n), label=labels.get(name, name) if c == 0 else None,
+                   gid=f"bar-{name}-{t['category']}")
+            ax.text(x, rate, f"{rate:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("vanilla decoding, decode phase: tokens/s (same run)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=8, ncol=len(names), loc="upper left", frameon=False)
+    first = tables[0]
+    ax.set_title(f"Plain decoding's speed: {first['dtype']}, greedy, {first['prompts']} prompt(s) per category, up to "
+                 f"{first['new_tokens']} new tokens\n{machine}", fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
 def latency_figure(tables: list[dict], machine: str):
     """L(T)/L(1) against T: what verifying T inputs in one pass costs next to one token."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -126,10 +163,16 @@ def calibration_figure(machine: str, methods: dict[str, dict]):
 def machine_label(machine: dict) -> str:
     """Where a bench.py run measured: the GPU or the CPU model, its cores and threads, torch."""
     where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
-    graphs = next((f" ({label})" for key, label in [("cuda_graphs", "CUDA graphs"), ("compiled", "compiled"),
-                                                   ("fused", "fused")] if machine.get(key)), "")
+    graphs = f" ({passes_label(machine)})" if passes_label(machine) else ""
     return (f"{where} · {machine.get('device', '?')}{graphs} · {machine.get('threads', '?')} threads · "
             f"torch {machine.get('torch', '?')}")
+
+
+def passes_label(machine: dict) -> str:
+    """How a bench.py run ran our decoding passes, if not as model.py's eager ones: "CUDA graphs",
+    "compiled", "fused", or ""."""
+    return next((label for key, label in [("cuda_graphs", "CUDA graphs"), ("compiled", "compiled"), ("fused", "fused")]
+                 if machine.get(key)), "")
 
 
 def bench_figures(results: dict) -> dict[str, object]:
@@ -139,6 +182,8 @@ def bench_figures(results: dict) -> dict[str, object]:
     for dtype in sorted({t["dtype"] for t in results["tables"] if t.get("kind") == "methods"}):
         tables = [t for t in results["tables"] if t.get("kind") == "methods" and t["dtype"] == dtype]
         figures[f"speedup-{dtype}"] = speedup_figure(tables, machine)
+        if len(vanillas(tables[0])) > 1:
+            figures[f"vanilla-{dtype}"] = vanilla_figure(tables, machine, passes_label(results.get("machine", {})))
     latency = [t for t in results["tables"] if t.get("kind") == "step_latency"]
     if latency:
         figures["step-latency"] = latency_figure(latency, machine)

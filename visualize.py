@@ -481,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", formatter_class=DefaultsHelpFormatter, help="the charts of a bench.py results file",
         description="From a results file of bench.py (its --out): `methods` runs give the speedup over "
-                    "vanilla per method and category with tau on each bar (OUT/STEM-speedup-DTYPE); "
-                    "`latency` runs give L(T)/L(1) against T for ours and transformers' (OUT/STEM-step-latency).")
+                    "vanilla per method and category with tau on each bar (OUT/STEM-speedup-DTYPE) and, where the run "
+                    "decoded plainly more than one way (--fused or --compile beside model.py's passes, llama.cpp), "
+                    "each way's tokens/s (OUT/STEM-vanilla-DTYPE); `latency` runs give L(T)/L(1) against T for ours and transformers' (OUT/STEM-step-latency).")
     bench.add_argument("results", type=Path, metavar="RESULTS.json", help="written by bench.py")
     calibration = commands.add_parser(
         "calibration", formatter_class=DefaultsHelpFormatter,

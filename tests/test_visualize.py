@@ -176,6 +176,29 @@ def test_bench_results_are_drawn_as_they_were_measured(tmp_path, capsys):
     assert heights["bar-anpd-code"] / heights["bar-anpd-chat"] == pytest.approx(1.7 / 0.9, rel=1e-3)
 
 
+def test_a_run_that_decoded_plainly_several_ways_draws_each_ways_tokens_per_second(tmp_path, capsys):
+    report = bench.Report("methods", {"cpu": "a test CPU", "cores": 2, "device": "cpu", "fused": True})
+    columns = [bench.Column("method"), bench.Column("tau", fmt="{:.2f}"), bench.Column("decode_tokens_per_second"),
+               bench.Column("decode_speedup", fmt="{:.2f}x")]
+    for category, eager in [("chat", 16.0), ("code", 12.0)]:
+        report.table(category, columns, [["vanilla", 1.0, 24.0, 1.0], ["anpd", 1.3, 30.0, 1.25],
+                                         ["vanilla-again", 1.0, 23.0, 0.96], [bench.EAGER, 1.0, eager, eager / 24],
+                                         ["llama.cpp vanilla", 1.0, 20.0, 1.0]],
+                     kind="methods", category=category, dtype="float32", prompts=2, new_tokens=64, temperature=0)
+    report.save(tmp_path / "results.json")
+    assert visualize.main(["bench", str(tmp_path / "results.json"), "--out", str(tmp_path), "--formats", "svg"]) == 0
+    assert capsys.readouterr().out.split()[-1] == str(tmp_path / "results-vanilla-float32.svg")
+    heights = {}
+    for group in ElementTree.parse(tmp_path / "results-vanilla-float32.svg").getroot().iter():
+        if (group.get("id") or "").startswith("bar-"):
+            path = next(e for e in group.iter() if e.tag.endswith("path"))
+            ys = [float(v) for v in path.get("d").replace("M", " ").replace("L", " ").replace("z", " ").split()[1::2]]
+            heights[group.get("id")] = max(ys) - min(ys)
+    assert set(heights) == {f"bar-{name}-{category}" for name in ("vanilla", bench.EAGER, "llama.cpp vanilla")
+                            for category in ("chat", "code")}  # not vanilla timed again, not the methods
+    assert heights[f"bar-{bench.EAGER}-code"] / heights["bar-vanilla-code"] == pytest.approx(12 / 24, rel=1e-3)
+
+
 def test_bench_latency_writes_results_and_draws_them(tmp_path, default_model_dir, capsys, monkeypatch):
     # a small run (its full sizes take minutes): fewer rows of kernels, steps and cached lengths
     monkeypatch.setattr(bench, "KERNEL_ROWS", [1, 8])
