@@ -139,15 +139,18 @@ def swiglu(gate_up, out):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def layers_pass(x, layers, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, eps, final_norm, out):
+def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, eps, out):
     """Every layer over T inputs, then the final norm into `out`: model.Llama.hidden_states as loops.
-    x: [T, D] (the inputs' embeddings, overwritten: the residual stream); layers: per layer (attention
-    norm, wqkv, wo, MLP norm, w_gate_up, w_down); keys, values: [layers, 1, K, capacity, E], the cache;
-    slots, positions: [T]; mask: [T, S] over the cache's first S slots; out: [T, D]."""
+    x: [T, D] (the inputs' embeddings, overwritten: the residual stream); norms: each layer's attention
+    and MLP norm weights, then the final norm's; matrices: each layer's wqkv, wo, w_gate_up, w_down (typed
+    lists, so that one compilation serves models of any depth); keys, values: [layers, 1, K, capacity, E],
+    the cache; slots, positions: [T]; mask: [T, S] over the cache's first S slots; out: [T, D]."""
     T, E = x.shape[0], keys.shape[4]
     normed, update = np.empty_like(x), np.empty_like(x)
-    for layer in range(len(layers)):
-        attention_norm, wqkv, wo, mlp_norm, w_gate_up, w_down = layers[layer]
+    for layer in range(len(matrices) // 4):
+        attention_norm, mlp_norm = norms[2 * layer], norms[2 * layer + 1]
+        wqkv, wo = matrices[4 * layer], matrices[4 * layer + 1]
+        w_gate_up, w_down = matrices[4 * layer + 2], matrices[4 * layer + 3]
         norm_rows(x, attention_norm, eps, normed)
         qkv = np.empty((T, wqkv.shape[0]), dtype=np.float32)
         dot_rows(wqkv, normed, qkv)
@@ -162,7 +165,7 @@ def layers_pass(x, layers, positions, inv_freq, keys, values, slots, mask, heads
         swiglu(gate_up, activated)
         dot_rows(w_down, activated, update)
         x += update
-    norm_rows(x, final_norm, eps, out)
+    norm_rows(x, norms[len(norms) - 1], eps, out)
 
 
 class FusedModel:
@@ -176,10 +179,12 @@ class FusedModel:
         self.model = model
         # the weights as numpy arrays for layers_pass (views, no copy; named apart from the model's own
         # attributes, which reach through __getattr__)
-        self.layer_arrays = tuple(tuple(p.detach().numpy() for p in (
-            block.attention_norm.weight, block.attention.wqkv.weight, block.attention.wo.weight,
-            block.mlp_norm.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight)) for block in model.layers)
-        self.final_norm_array = model.norm.weight.detach().numpy()
+        self.norm_arrays = numba.typed.List(
+            [p.detach().numpy() for block in model.layers for p in (block.attention_norm.weight, block.mlp_norm.weight)]
+            + [model.norm.weight.detach().numpy()])
+        self.matrix_arrays = numba.typed.List(
+            p.detach().numpy() for block in model.layers for p in (
+                block.attention.wqkv.weight, block.attention.wo.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight))
         self.inv_freq_array = model.inv_freq.to(torch.float32).numpy()
 
     def __getattr__(self, name):  # called only for what FusedModel does not define itself
@@ -206,9 +211,9 @@ class FusedModel:
             allowed = mask.reshape(T, -1).numpy()
         numba_threads_as_torch()
         hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
-        layers_pass(embeds[0].numpy().copy(), self.layer_arrays, positions.reshape(T).numpy(), self.inv_freq_array,
-                    cache.keys.numpy(), cache.values.numpy(), slot_numbers, allowed, self.config.num_heads,
-                    self.config.num_kv_heads, self.config.rms_norm_eps, self.final_norm_array, hidden)
+        layers_pass(embeds[0].numpy().copy(), self.norm_arrays, self.matrix_arrays, positions.reshape(T).numpy(),
+                    self.inv_freq_array, cache.keys.numpy(), cache.values.numpy(), slot_numbers, allowed,
+                    self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, hidden)
         return torch.from_numpy(hidden).view(1, T, -1)
 
     def logits(self, hidden):
