@@ -32,6 +32,8 @@ PPD's, may round its rows differently: equal to vanilla up to float32's rounding
 """
 
 import math
+import os
+import sys
 
 import numba
 import numpy as np
@@ -168,6 +170,14 @@ def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, ma
     norm_rows(x, norms[len(norms) - 1], eps, out)
 
 
+def compiled_on_disk() -> bool:
+    """Whether numba's cache on disk (beside this file, or NUMBA_CACHE_DIR) has an index for layers_pass,
+    which an earlier process wrote when it compiled it (an attribute numba keeps to itself: where a
+    version lacks it, assume so)."""
+    index = getattr(getattr(getattr(layers_pass, "_cache", None), "_cache_file", None), "_index_path", None)
+    return index is None or os.path.exists(index)
+
+
 class FusedModel:
     """A Llama whose decoding passes run as `layers_pass` (see the module docstring), and whose logits
     come from the same product loop; everything else (config, embed, first_layers, ...) is the wrapped
@@ -186,6 +196,13 @@ class FusedModel:
             p.detach().numpy() for block in model.layers for p in (
                 block.attention.wqkv.weight, block.attention.wo.weight, block.mlp.w_gate_up.weight, block.mlp.w_down.weight))
         self.inv_freq_array = model.inv_freq.to(torch.float32).numpy()
+        if not layers_pass.signatures and not compiled_on_disk():
+            print("--fused: numba compiles the pass's loops, once (about 20 s on 2 cores; then kept on disk)",
+                  file=sys.stderr, flush=True)
+        with torch.inference_mode():  # compiled (or read from disk) now, not in the first timed pass
+            one_pass = KVCache.for_model(model, capacity=1)
+            self.hidden_states(embeds=model.embed.weight[:1][None], positions=torch.zeros(1, dtype=torch.long),
+                               cache=one_pass, slots=one_pass.claim(1))
 
     def __getattr__(self, name):  # called only for what FusedModel does not define itself
         return getattr(self.model, name)
