@@ -26,9 +26,10 @@ Each guess carries evidence (tree.Tree.evidence): a key saying what kind of gues
 level 4 seen twice, a trie branch taking three quarters of its siblings' occurrences, a Medusa head's
 rank-2 guess at distance 1, a draft model's guess of confidence 0.6) and the source's prior for its
 chance. After every pass, each judged guess (its parent accepted) counts as a success or a failure
-for its key, so the estimates follow what verification accepts in this generation. The method's own
-tree (its size option) is the candidate set and the upper bound: `--fixed-size` sends it whole, as
-the papers do.
+for its key, so the estimates follow what verification accepts in this generation; a guess made on
+several kinds of evidence (`--method auto`'s sources agreeing on it) is a kind of its own too
+(joint_key). The method's own tree (its size option) is the candidate set and the upper bound:
+`--fixed-size` sends it whole, as the papers do.
 
 What a pass costs: L(n), a whole pass of the loop over n inputs on this machine (latency.py: saved
 once per machine, and corrected by every pass this run times: `learn` shows it each pass's seconds),
@@ -85,13 +86,24 @@ class AcceptanceEstimates:
         return (self.accepted[key] + self.PRIOR_WEIGHT * prior) / (self.judged[key] + self.PRIOR_WEIGHT)
 
     def of_node(self, evidence: Sequence[Evidence]) -> float:
-        """A guess's estimate: the most confident of the sources that guessed it (0 with none)."""
-        return max((self.probability(key, prior) for key, prior in evidence), default=0.0)
+        """A guess's estimate (0 with no evidence). One kind of evidence: its key's. Several (sources
+        that agree on the guess, or branches of one source through it): their agreement is a kind of
+        guess of its own (`joint_key`), whose prior is the most confident of their estimates and whose
+        own verdicts then decide. Agreement is not independent evidence: ANPD's guess after a one-token
+        match and the trie's are the same observation twice, and taking the more confident of the two
+        (the trie's higher prior) sent that guess pass after pass on chat, rejected nearly every time."""
+        best = max((self.probability(key, prior) for key, prior in evidence), default=0.0)
+        return best if len(evidence) < 2 else self.probability(joint_key(evidence), best)
 
     def record(self, key: Key, accepted: bool) -> None:
         self.judged[key] += 1
         if accepted:
             self.accepted[key] += 1
+
+
+def joint_key(evidence: Sequence[Evidence]) -> Key:
+    """The key of a guess made on several kinds of evidence: all of them, in a fixed order."""
+    return ("joint", *sorted(key for key, _ in evidence))
 
 
 def reach(tree: Tree, p: Sequence[float]) -> list[float]:
@@ -242,7 +254,8 @@ class Costs:
         self.probe_due, self.carried_for_probe = self.carried_for_probe, False
         for node, outcome in enumerate(done.outcomes()):
             if node and outcome != "unreached":
-                for key, _ in done.tree.evidence[node]:
+                evidence = done.tree.evidence[node]
+                for key in [key for key, _ in evidence] + ([joint_key(evidence)] if len(evidence) > 1 else []):
                     self.estimates.record(key, outcome == "accepted")
 
     def draft_length(self, step_cost: float, most: int, prior: float) -> int:

@@ -211,6 +211,27 @@ def test_estimates_converge_to_the_acceptance_rate(rate):
     assert estimates.probability(("scripted",), 0.05) == pytest.approx(rate, abs=0.06)
 
 
+def test_a_guess_two_sources_agree_on_is_estimated_by_its_own_verdicts():
+    """A guess on two kinds of evidence starts at the more confident one's estimate; then its own verdicts
+    decide, as they would for a kind of guess of its own, while each kind alone keeps its estimate for the
+    guesses it makes alone. (Taking the more confident of the two every time sent, on chat, the trie's
+    one-token match at its prior's 0.46 with ANPD's, rejected pass after pass.)"""
+    trie, ngram = (("lookahead", 1, 3), 0.46), (("anpd", 1, 1), 0.21)
+    tree = Tree([0, 1], [-1, 0], evidence=[(), (trie, ngram)])
+    logits = torch.zeros(2, 8)
+    logits[0, 2] = 1.0  # the model wants 2: the guess 1 is rejected
+    verdict = verify_greedy(tree, logits)
+    costs = Costs(Latency.flat())
+    assert costs.estimates_of(tree)[1] == pytest.approx(0.46)
+    for _ in range(20):
+        costs.learn(Pass(tree, 0, verdict.path, verdict.tokens, torch.zeros(2, 1), logits, verdict))
+    joint = costs.estimates_of(tree)[1]
+    assert joint == pytest.approx(10 * costs.estimates.probability(*trie) / 30)  # the trie's, worth 10 verdicts, and 20 misses
+    assert joint < costs.estimates.probability(*trie) < 0.46  # (each kind's verdicts count for it alone too)
+    alone = Tree([0, 1], [-1, 0], evidence=[(), (trie,)])
+    assert costs.estimates_of(alone)[1] == pytest.approx(costs.estimates.probability(*trie))
+
+
 def test_a_probe_pays_when_its_accepted_guesses_cover_its_inputs():
     """A probe of five inputs that keeps one guess: two tokens for L(5). Where L(5) is 1.5 L(1) it paid
     (the wait starts again from PROBE_EVERY); where it is 3 L(1) it did not (the wait doubles)."""
