@@ -13,6 +13,7 @@ other for nothing.
 """
 
 import argparse
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -433,4 +434,16 @@ def load(args, method: Method):
     check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",
           file=sys.stderr)
+    freeze_loaded()
     return model, tokenizer
+
+
+def freeze_loaded() -> None:
+    """Keep what is loaded by now out of Python's cycle collector (gc.freeze): the modules, torch's and
+    numba's objects, the tokenizer's tables, ~380,000 objects that live as long as the process, which
+    each full collection would walk again, ~0.45 s on 2 AVX2 EPYC cores. Such a collection comes when
+    enough new objects have piled up, whoever made them: in bench.py one landed in `auto`'s drafting
+    time (3-5 ms a pass over a generation, where 0.7 is its own), and in decode.py it stalls an answer
+    as long. (The few thousand unreachable objects numba's compiler leaves by then, its IR, stay too:
+    collecting them first cost as long, and freed no memory.)"""
+    gc.freeze()
