@@ -163,7 +163,8 @@ def calibration_figure(machine: str, methods: dict[str, dict]):
 def machine_label(machine: dict) -> str:
     """Where a bench.py run measured: the GPU or the CPU model, its cores and threads, torch."""
     where = machine.get("gpu") or f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
-    graphs = f" ({passes_label(machine)})" if passes_label(machine) else ""
+    passes = passes_label(machine)
+    graphs = f" ({passes})" if passes else ""
     return (f"{where} · {machine.get('device', '?')}{graphs} · {machine.get('threads', '?')} threads · "
             f"torch {machine.get('torch', '?')}")
 

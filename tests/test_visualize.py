@@ -154,6 +154,17 @@ def test_bad_requests_are_one_line_errors(tiny_folder, tmp_path, capsys, argv, f
     assert code != 0 and "Traceback" not in err and fragment in err.splitlines()[-1]
 
 
+def bar_heights(svg) -> dict[str, float]:
+    """The height of each bar (an element whose id starts with "bar-") in a chart saved as SVG."""
+    heights = {}
+    for group in ElementTree.parse(svg).getroot().iter():
+        if (group.get("id") or "").startswith("bar-"):
+            path = next(e for e in group.iter() if e.tag.endswith("path"))
+            ys = [float(v) for v in path.get("d").replace("M", " ").replace("L", " ").replace("z", " ").split()[1::2]]
+            heights[group.get("id")] = max(ys) - min(ys)
+    return heights
+
+
 def test_bench_results_are_drawn_as_they_were_measured(tmp_path, capsys):
     report = bench.Report("methods", {"cpu": "a test CPU", "cores": 2, "threads": 2, "device": "cpu", "torch": "x"})
     columns = [bench.Column("method"), bench.Column("tau", fmt="{:.2f}"), bench.Column("tokens_per_second"),
@@ -166,12 +177,7 @@ def test_bench_results_are_drawn_as_they_were_measured(tmp_path, capsys):
     assert visualize.main(["bench", str(tmp_path / "results.json"), "--out", str(tmp_path)]) == 0
     svg = tmp_path / "results-speedup-float32.svg"
     assert capsys.readouterr().out.split() == [str(tmp_path / "results-speedup-float32.png"), str(svg)]
-    heights = {}
-    for group in ElementTree.parse(svg).getroot().iter():
-        if (group.get("id") or "").startswith("bar-"):
-            path = next(e for e in group.iter() if e.tag.endswith("path"))
-            ys = [float(v) for v in path.get("d").replace("M", " ").replace("L", " ").replace("z", " ").split()[1::2]]
-            heights[group.get("id")] = max(ys) - min(ys)
+    heights = bar_heights(svg)
     assert set(heights) == {"bar-anpd-chat", "bar-anpd-code"}
     assert heights["bar-anpd-code"] / heights["bar-anpd-chat"] == pytest.approx(1.7 / 0.9, rel=1e-3)
 
@@ -188,12 +194,7 @@ def test_a_run_that_decoded_plainly_several_ways_draws_each_ways_tokens_per_seco
     report.save(tmp_path / "results.json")
     assert visualize.main(["bench", str(tmp_path / "results.json"), "--out", str(tmp_path), "--formats", "svg"]) == 0
     assert capsys.readouterr().out.split()[-1] == str(tmp_path / "results-vanilla-float32.svg")
-    heights = {}
-    for group in ElementTree.parse(tmp_path / "results-vanilla-float32.svg").getroot().iter():
-        if (group.get("id") or "").startswith("bar-"):
-            path = next(e for e in group.iter() if e.tag.endswith("path"))
-            ys = [float(v) for v in path.get("d").replace("M", " ").replace("L", " ").replace("z", " ").split()[1::2]]
-            heights[group.get("id")] = max(ys) - min(ys)
+    heights = bar_heights(tmp_path / "results-vanilla-float32.svg")
     assert set(heights) == {f"bar-{name}-{category}" for name in ("vanilla", bench.EAGER, "llama.cpp vanilla")
                             for category in ("chat", "code")}  # not vanilla timed again, not the methods
     assert heights[f"bar-{bench.EAGER}-code"] / heights["bar-vanilla-code"] == pytest.approx(12 / 24, rel=1e-3)
