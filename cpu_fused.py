@@ -7,9 +7,10 @@ rotary, attention, the cache's writes), each a few microseconds of Python and di
 Here the whole pass is one call: `layers_pass` runs model.py's computation (RMSNorm, RoPE, grouped-query
 attention over the cache with the tree's mask, SwiGLU) as plain loops that numba compiles, the products
 by cpu_kernels.dot_rows. On 2 AVX2 EPYC cores plain decoding so runs 1.48-1.66x faster than through
-model.py, at 1.01-1.13x of llama.cpp's F32 on the same weights (docs/results.md, "One compiled loop per
-pass"): the route llama.cpp takes (one C function per operation, no framework between them), written
-here in Python's syntax.
+model.py, level with llama.cpp's F32 on the same weights within that machine's noise (1.01-1.13x of it in
+one run, 0.81-0.95x in another; docs/results.md, "One compiled loop per pass" and the section after it):
+the route llama.cpp takes (one C function per operation, no framework between them), written here in
+Python's syntax.
 
 **Batch invariance.** The same loop computes each input row the same way whatever the other rows of
 its pass are: a row's dot products run through the one compiled loop of `dot_rows` (its summation order
