@@ -13,13 +13,15 @@ the route llama.cpp takes (one C function per operation, no framework between th
 Python's syntax.
 
 **Batch invariance.** The same loop computes each input row the same way whatever the other rows of
-its pass are: a row's dot products run through the one compiled loop of `dot_rows` (its summation order
-depends on the row's length, never on how many rows come with it), each norm and each SwiGLU is summed
+its pass are: a row's dot products are summed by `dot_rows` in one order, which depends on the row's
+length, never on how many rows come with it (rows go two at a time, sharing each weight's load, only
+where this machine's compiled loops sum a row of a pair as a row alone, bit for bit: checked when the
+model is fused, `pairs_sum_as_rows_alone`; one at a time otherwise), each norm and each SwiGLU is summed
 row by row, and each query attends to a list of the slots it may see, gathered in slot order, so that a
 token attends in a tree pass to exactly the values it attends to in a plain decoding step, in the same
 order. So the hidden state and logits of an accepted guess are bit for bit those plain decoding
 computes for that token (the K/V it left in the cache too), and every lossless method's greedy output
-is fused vanilla's by construction, near-ties included, not only up to float32's rounding as through
+is fused vanilla's, near-ties included, not only up to float32's rounding as through
 model.py, whose PyTorch kernels round a row differently with the number of rows beside it (He and
 Thinking Machines Lab 2025, "Defeating Nondeterminism in LLM Inference", on batch-invariant kernels).
 tests/test_cpu_fused.py proves it by hypothesis.
@@ -40,7 +42,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import dot_rows, numba_threads_as_torch
+from cpu_kernels import dot_rows, numba_threads_as_torch, pairs_sum_as_rows_alone
 from errors import UserError
 from kv_cache import KVCache
 
@@ -142,12 +144,14 @@ def swiglu(gate_up, out):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, eps, out):
+def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, mask, heads, kv_heads, eps, pairs,
+                out):
     """Every layer over T inputs, then the final norm into `out`: model.Llama.hidden_states as loops.
     x: [T, D] (the inputs' embeddings, overwritten: the residual stream); norms: each layer's attention
     and MLP norm weights, then the final norm's; matrices: each layer's wqkv, wo, w_gate_up, w_down (typed
     lists, so that one compilation serves models of any depth); keys, values: [layers, 1, K, capacity, E],
-    the cache; slots, positions: [T]; mask: [T, S] over the cache's first S slots; out: [T, D]."""
+    the cache; slots, positions: [T]; mask: [T, S] over the cache's first S slots; pairs: dot_rows' choice;
+    out: [T, D]."""
     T, E = x.shape[0], keys.shape[4]
     normed, update = np.empty_like(x), np.empty_like(x)
     for layer in range(len(matrices) // 4):
@@ -156,17 +160,17 @@ def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, ma
         w_gate_up, w_down = matrices[4 * layer + 2], matrices[4 * layer + 3]
         norm_rows(x, attention_norm, eps, normed)
         qkv = np.empty((T, wqkv.shape[0]), dtype=np.float32)
-        dot_rows(wqkv, normed, qkv)
+        dot_rows(wqkv, normed, qkv, pairs)
         attended = np.empty((T, heads * E), dtype=np.float32)
         attention(qkv, positions, inv_freq, keys[layer, 0], values[layer, 0], slots, mask, heads, kv_heads, attended)
-        dot_rows(wo, attended, update)
+        dot_rows(wo, attended, update, pairs)
         x += update
         norm_rows(x, mlp_norm, eps, normed)
         gate_up = np.empty((T, w_gate_up.shape[0]), dtype=np.float32)
-        dot_rows(w_gate_up, normed, gate_up)
+        dot_rows(w_gate_up, normed, gate_up, pairs)
         activated = np.empty((T, w_gate_up.shape[0] // 2), dtype=np.float32)
         swiglu(gate_up, activated)
-        dot_rows(w_down, activated, update)
+        dot_rows(w_down, activated, update, pairs)
         x += update
     norm_rows(x, norms[len(norms) - 1], eps, out)
 
@@ -200,6 +204,8 @@ class FusedModel:
         if not layers_pass.signatures and not compiled_on_disk():
             print("--fused: numba compiles the pass's loops, once (about 20 s on 2 cores; then kept on disk)",
                   file=sys.stderr, flush=True)
+        # rows two at a time in the products only where that sums each row as it is summed alone
+        self.pairs = pairs_sum_as_rows_alone([m.shape[1] for m in self.matrix_arrays] + [model.lm_head.in_features])
         with torch.inference_mode():  # compiled (or read from disk) now, not in the first timed pass
             one_pass = KVCache.for_model(model, capacity=1)
             self.hidden_states(embeds=model.embed.weight[:1][None], positions=torch.zeros(1, dtype=torch.long),
@@ -231,7 +237,7 @@ class FusedModel:
         hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
         layers_pass(embeds[0].numpy().copy(), self.norm_arrays, self.matrix_arrays, positions.reshape(T).numpy(),
                     self.inv_freq_array, cache.keys.numpy(), cache.values.numpy(), slot_numbers, allowed,
-                    self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, hidden)
+                    self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, self.pairs, hidden)
         return torch.from_numpy(hidden).view(1, T, -1)
 
     def logits(self, hidden):
@@ -239,5 +245,5 @@ class FusedModel:
         rows = hidden.reshape(-1, hidden.shape[-1]).numpy()
         out = np.empty((len(rows), self.config.vocab_size), dtype=np.float32)
         numba_threads_as_torch()
-        dot_rows(self.model.lm_head.weight.detach().numpy(), np.ascontiguousarray(rows), out)
+        dot_rows(self.model.lm_head.weight.detach().numpy(), np.ascontiguousarray(rows), out, self.pairs)
         return torch.from_numpy(out).view(*hidden.shape[:-1], -1)

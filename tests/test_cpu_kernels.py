@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,31 @@ def test_float32_matches_f_linear_for_every_row_count(rows, out_blocks, ragged, 
     expected = F.linear(x.double(), layer.weight.double())
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
 
+
+
+@cheap
+@given(rows=st.integers(1, 7), width=st.integers(1, 70), pairs=st.booleans())
+def test_numba_loops_multiply_rows_in_pairs_or_alone(rows, width, pairs):
+    weight = torch.randn(9, width, generator=torch.Generator().manual_seed(width)).numpy()
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).numpy()
+    out = np.empty((rows, 9), dtype=np.float32)
+    cpu_kernels.dot_rows(weight, x, out, pairs)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ weight.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_are_paired_only_where_a_pair_is_summed_as_each_row_alone():
+    """The check fused passes rely on for bit-for-bit rows: a kernel that sums a pair's rows in another
+    order than a row alone (here: backwards) fails it; exact sums in one order pass."""
+    def backwards_in_pairs(weight, x, out, pairs):
+        for r in range(len(x)):
+            order = slice(None, None, -1) if len(x) == 2 else slice(None)
+            out[r] = [np.float32(sum(w[order] * x[r][order], np.float32(0))) for w in weight]
+
+    def one_order(weight, x, out, pairs):
+        for r in range(len(x)):
+            out[r] = [np.float32(sum(w * x[r], np.float32(0))) for w in weight]
+    assert not cpu_kernels.pairs_sum_as_rows_alone([33], backwards_in_pairs)
+    assert cpu_kernels.pairs_sum_as_rows_alone([33], one_order)
 
 def test_numba_kernel_leaves_torch_its_thread_count():
     """numba's first parallel call starts its threads and sets OpenMP's thread count, which torch shares, to
