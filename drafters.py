@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_kernels import top_k_ids
 from errors import UserError
 from kv_cache import FirstLayers, KVCache
 from sampling import Sampling, choose_token_and_probs
@@ -324,7 +325,7 @@ class TopKDrafter(Drafter):
 
     def keep_top(self, logits: torch.Tensor) -> None:
         """logits [distances, V] -> the TOP_RANKS best tokens per distance (none for no rows)."""
-        self.candidates = logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices.tolist()
+        self.candidates = top_k_ids(logits, min(TOP_RANKS, logits.shape[-1])).tolist()
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------

@@ -74,6 +74,17 @@ def test_rows_are_paired_only_where_a_pair_is_summed_as_each_row_alone():
     assert not cpu_kernels.pairs_sum_as_rows_alone([33], backwards_in_pairs)
     assert cpu_kernels.pairs_sum_as_rows_alone([33], one_order)
 
+
+@cheap
+@given(scores=st.lists(st.lists(st.integers(-3, 3), min_size=12, max_size=12), min_size=0, max_size=4),
+       k=st.integers(1, 12), leading=st.booleans())
+def test_top_k_ids_are_the_largest_scores_first_ties_to_the_lower_id(scores, k, leading):
+    """Small integer scores, so that ties are common: the order is a stable sort's, largest first."""
+    values = torch.tensor(scores, dtype=torch.float32).reshape(len(scores), 12)
+    values = values[None] if leading else values
+    expected = [sorted(range(12), key=lambda token: (-row[token], token))[:k] for row in scores]
+    assert cpu_kernels.top_k_ids(values, k).reshape(len(scores), k).tolist() == expected
+
 def test_numba_kernel_leaves_torch_its_thread_count():
     """numba's first parallel call starts its threads and sets OpenMP's thread count, which torch shares, to
     the number of cores: a process that had asked torch for 1 thread (a test worker) would run on all. Run
