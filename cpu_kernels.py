@@ -219,11 +219,11 @@ def numba_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-@numba.njit(cache=True)
-def top_k_rows(scores, out):
+@numba.njit("void(float32[:, ::1], int64[:, ::1])", cache=True)  # its one signature: compiled (or read
+def top_k_rows(scores, out):  # from disk) on import, not in the first generation's drafting time
     """out[r]: the ids of row r's k = out.shape[1] largest scores, largest first, ties to the lower id:
     one pass over the row, each score that beats the k-th best so far inserted in order. scores: [R, V]
-    float32, out: [R, k] int64."""
+    float32, out: [R, k] int64, both C-contiguous."""
     k = out.shape[1]
     for r in range(scores.shape[0]):
         best = np.full(k, -np.inf, dtype=np.float32)
