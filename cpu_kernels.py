@@ -239,9 +239,10 @@ def top_k_rows(scores, out):  # from disk) on import, not in the first generatio
 
 
 def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores.topk(k).indices, ties to the lower id: [..., V] -> [..., k]. On a CPU in float32 by
-    `top_k_rows`: torch.topk of a pass's logits took 0.40 ms in Token Recycling's loop (2 AVX2 EPYC
-    cores, fused passes; 0.10 alone), this 0.12, a third of that drafter's time a pass."""
+    """scores.topk(k).indices: [..., V] -> [..., k]. On a CPU in float32 by `top_k_rows` (ties to the
+    lower id; elsewhere torch.topk, whose order among ties is its own): torch.topk of a pass's logits
+    took 0.40 ms in Token Recycling's loop (2 AVX2 EPYC cores, fused passes; 0.10 alone), this 0.12, a
+    third of that drafter's time a pass."""
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.requires_grad:
         return scores.topk(k, dim=-1).indices
     out = np.empty((*scores.shape[:-1], k), dtype=np.int64)
