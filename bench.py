@@ -262,26 +262,27 @@ class PromptLookupPeer:
 
 class LlamaCppPeer:
     """llama.cpp's own plain and n-gram lookup decoding (its examples/lookup program, which decodes
-    plainly with --spec-draft-n-max 0) on the same weights: the default GGUF re-quantized to F32
-    (`llama-quantize --allow-requantize`, once, into the cache), the same chat-templated prompt,
-    greedy, LLAMA_CPP_THREADS threads. Its own timings: prompt processing, then decoding."""
+    plainly with --spec-draft-n-max 0) on the same weights: the default GGUF re-quantized to F32, or BF16
+    beside our bfloat16 (`llama-quantize --allow-requantize`, once, into the cache; both round as torch
+    does), the same chat-templated prompt, greedy, LLAMA_CPP_THREADS threads. Its own timings: prompt
+    processing, then decoding."""
 
     PROGRAMS = ["llama-lookup", "llama-quantize"]
     DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
     ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
     ACCEPTED = re.compile(r"n_accept\s+=\s+(\d+)")
 
-    def __init__(self, folder: Path, threads: int):
+    def __init__(self, folder: Path, threads: int, weights: str = "F32"):
         missing = [name for name in self.PROGRAMS if not (folder / name).is_file()]
         if missing:
             raise UserError(f"--llama-cpp {folder} has no {', '.join(missing)}: build llama.cpp as "
                             "docs/results.md says (llama.cpp as a peer) and point at its build/bin folder")
         self.folder, self.threads = folder, threads
-        self.gguf = cache_root() / "llama-cpp" / find_default_gguf().name.replace("Q4_1", "F32")
+        self.gguf = cache_root() / "llama-cpp" / find_default_gguf().name.replace("Q4_1", weights)
         if not self.gguf.is_file():
             self.gguf.parent.mkdir(parents=True, exist_ok=True)
-            print(f"llama.cpp: re-quantizing the default model to F32 -> {self.gguf}", file=sys.stderr)
-            self.call(["llama-quantize", "--allow-requantize", str(find_default_gguf()), str(self.gguf), "F32"])
+            print(f"llama.cpp: re-quantizing the default model to {weights} -> {self.gguf}", file=sys.stderr)
+            self.call(["llama-quantize", "--allow-requantize", str(find_default_gguf()), str(self.gguf), weights])
 
     def call(self, command: list[str]) -> subprocess.CompletedProcess:
         done = subprocess.run([str(self.folder / command[0]), *command[1:]], capture_output=True, text=True)
@@ -304,16 +305,20 @@ class LlamaCppPeer:
                    vanilla_text in done.stdout)
 
 
+LLAMA_CPP_WEIGHTS = {"float32": "F32", "bfloat16": "BF16"}  # --dtypes -> llama.cpp's GGUF type
+
+
 def bench_methods(args, tokenizer, report):
     prompt_sets = {c: bench_data.prompts(c, None if args.full else args.prompts) for c in args.categories}
-    llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads()) if args.llama_cpp else None
+    plain_rates = {}  # dtype -> category -> {vanilla, llama.cpp vanilla: decode tokens/s}
     for dtype_name in args.dtypes:
+        llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads(), LLAMA_CPP_WEIGHTS[dtype_name]) if (
+            args.llama_cpp and args.temperature == 0) else None
         plain = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
         prepare_kernels(plain)
         model = decoding_model(plain, args)
-        greedy_float32 = dtype_name == "float32" and args.temperature == 0
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
-            greedy_float32 and not args.skip_transformers) else None
+            dtype_name == "float32" and args.temperature == 0 and not args.skip_transformers) else None
         latency = machine_latency(model)  # measured (once per machine) before anything is timed
         started_with = {n: latency(n) for n in LATENCY_SIZES}
         priced = Latency(started_with)  # one fixed L(n) for the modelled speedups of the whole run
@@ -322,7 +327,7 @@ def bench_methods(args, tokenizer, report):
         drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
                     for _ in range(args.runs)]
         methods = (["vanilla"] + args.methods + ([EAGER] if model is not plain else []) + ([PEER] if peer else [])
-                   + (LLAMA_CPP if llama and greedy_float32 else []))
+                   + (LLAMA_CPP if llama else []))
         warm_up(model, peer, tokenizer)
         hindsight = []  # per category: auto's decode speedup, the per-prompt best's
         speedups = {}  # category -> {method: (decode speedup, modelled)}
@@ -357,6 +362,8 @@ def bench_methods(args, tokenizer, report):
                       + ", ".join(f"{n} {t.new_tokens / t.seconds:.1f} tok/s" for n, t in tallies.items()),
                       file=sys.stderr, flush=True)
             speedups[category] = report_category(report, dtype_name, category, tallies, args, priced)
+            plain_rates.setdefault(dtype_name, {})[category] = {
+                name: tallies[name].decode_tokens_per_second for name in ("vanilla", LLAMA_CPP[0]) if name in tallies}
             if "auto" in tallies:
                 vanilla_rate = tallies["vanilla"].decode_tokens_per_second
                 hindsight.append([category, tallies["auto"].decode_tokens_per_second / vanilla_rate,
@@ -375,6 +382,35 @@ def bench_methods(args, tokenizer, report):
                       Column("passes")],
                      [[n, started_with[n] * 1000, latency(n) * 1000, latency.seen.get(n, 0)] for n in LATENCY_SIZES],
                      kind="latency_used", dtype=dtype_name)
+    if len(plain_rates) > 1 or args.llama_cpp:
+        report_plain_decoding(report, plain_rates, args)
+
+
+def report_plain_decoding(report, rates: dict[str, dict[str, dict[str, float]]], args) -> None:
+    """Vanilla's decode tokens/s in each dtype, beside llama.cpp's on the same weights where it ran, per
+    category (`rates`: dtype -> category -> {"vanilla", "llama.cpp vanilla": tokens/s}), and the ratios
+    issue-sized claims are made of: bfloat16 over float32, ours over llama.cpp's."""
+    dtypes, columns, rows = list(rates), [Column("category")], []
+    for dtype in dtypes:
+        columns.append(Column(f"{dtype}", f"{dtype} tok/s", "{:.1f}"))
+        if args.llama_cpp:
+            columns += [Column(f"llama.cpp {dtype}", f"llama.cpp {LLAMA_CPP_WEIGHTS[dtype]} tok/s", "{:.1f}"),
+                        Column(f"{dtype} / llama.cpp", f"ours / llama.cpp {LLAMA_CPP_WEIGHTS[dtype]}", "{:.2f}x")]
+    if {"float32", "bfloat16"} <= set(dtypes):
+        columns.append(Column("bfloat16 / float32", "bfloat16 / float32", "{:.2f}x"))
+    for category in rates[dtypes[0]]:
+        row = [category]
+        for dtype in dtypes:
+            ours, theirs = rates[dtype][category]["vanilla"], rates[dtype][category].get(LLAMA_CPP[0])
+            row += [ours] + ([theirs, ours / theirs if theirs else None] if args.llama_cpp else [])
+        if {"float32", "bfloat16"} <= set(dtypes):
+            row.append(rates["bfloat16"][category]["vanilla"] / rates["float32"][category]["vanilla"])
+        rows.append(row)
+    ways = " ".join(flag for flag, on in [("--fused", args.fused), ("--compile", args.compile),
+                                           ("--cuda-graphs", args.cuda_graphs)] if on) or "eager"
+    report.table(f"plain decoding ({ways}), decode tokens/s per dtype" + (", beside llama.cpp's on the same weights"
+                                                                       if args.llama_cpp else ""),
+                 columns, rows, kind="plain_decoding")
 
 
 def warm_up(model, peer, tokenizer):
@@ -938,8 +974,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a CPU: our decoding passes compiled by torch.compile (cpu_compiled.py); latency also "
                         "times the uncompiled model in the same rounds")
     p.add_argument("--fused", action="store_true",
-                   help="on a CPU, in float32: our decoding passes as one loop compiled by numba each (cpu_fused.py); "
-                        "latency also times the eager model in the same rounds")
+                   help="on a CPU: our decoding passes as one loop compiled by numba each (cpu_fused.py; bfloat16: its "
+                        "weights read as bfloat16, float32 arithmetic); latency also times the eager model in the "
+                        "same rounds")
     p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
                    help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")

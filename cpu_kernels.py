@@ -34,6 +34,10 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
   which also sums in float32, can beat it: on 2 Intel Xeon cores with AMX, 20.2 ms a pass against
   23.1. So 1 row is measured as in float32, between the two (a plain-decoding model then takes F.linear
   for its prefill, as in float32, and keeps oneDNN's copies only where it picked them).
+Fused passes (`--fused`, cpu_fused.py) call `dot_rows` directly, on float32 weights or on bfloat16
+ones stored two to a 32-bit word (`bfloat16_words`), widened to float32 by a shift: no bfloat16
+instruction is needed, and the products of a 1-row pass took 11.6 ms on 2 Intel Xeon cores against
+float32's 22.3 (reading the words once: 11.4).
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
@@ -50,7 +54,9 @@ import platform
 import time
 import weakref
 
+import llvmlite.ir
 import numba
+import numba.extending
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -140,44 +146,127 @@ def product_like(x, weight):
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def dot_rows(weight, x, out, pairs=True):
-    """out[r, o] = sum_i weight[o, i] x[r, i], compiled by numba. weight: [O, I], x: [R, I], out: [R, O],
-    float32 arrays. The threads share out the weight's rows; each row, read from memory once, is
-    multiplied by x's rows while it is in cache, two at a time where `pairs` (one load of each weight
-    for both), an odd last row alone. One row is bound by memory; each further row adds its arithmetic,
-    and sharing the loads pays from two rows on: a fused pass (cpu_fused.py, 2 AVX2 EPYC cores, 256
-    cached tokens, the two interleaved in one process) took 41.3 / 49.8 / 57.0 / 66.1 ms at 2 / 4 / 6 / 8
-    inputs in pairs against 42.9 / 53.3 / 64.8 / 73.3 one row at a time (35.7 and 36.0 at 1). fastmath
-    lets the compiler sum a dot product in any order, which is what vectorises it (AVX2: 8 products at a
-    time in four running sums, for a row alone and for each row of a pair alike, as
-    `pairs_sum_as_rows_alone` checks; a row in a group of three or four was summed in another order)."""
-    rows, width = x.shape
+    """out[r, o] = sum_i W[o, i] x[r, i], compiled by numba. weight: W as float32 [O, I], or as
+    `bfloat16_words` [O, I/2]; x: [R, I] and out: [R, O], float32. The threads share out W's rows; each
+    row, read from memory once, is multiplied by x's rows while it is in cache, two at a time where
+    `pairs` (one load of each weight for both), an odd last row alone. One row is bound by memory; each
+    further row adds its arithmetic, and sharing the loads pays from two rows on: a fused pass
+    (cpu_fused.py, 2 AVX2 EPYC cores, 256 cached tokens, the two interleaved in one process) took 41.3 /
+    49.8 / 57.0 / 66.1 ms at 2 / 4 / 6 / 8 inputs in pairs against 42.9 / 53.3 / 64.8 / 73.3 one row at a
+    time (35.7 and 36.0 at 1). fastmath lets the compiler sum a dot product in any order, which is what
+    vectorises it (AVX2: 8 products at a time in four running sums, for a row alone and for each row of
+    a pair alike, as `pairs_sum_as_rows_alone` checks; a row in a group of three or four was summed in
+    another order). How a row of W is read is its layout's: `row_dot` and `row_dots`."""
+    rows, stored = x.shape[0], weight.shape[1]  # (read here, not in the parallel loop, where the compiler
+    # did not vectorise the words' loop: 24 ms for a 1-row pass's products against 14, 2 Intel Xeon cores)
     paired = rows - rows % 2 if pairs else 0
     for o in numba.prange(weight.shape[0]):
         for r in range(0, paired, 2):
-            first, second = numba.float32(0.0), numba.float32(0.0)
-            for i in range(width):
-                w = weight[o, i]
-                first += w * x[r, i]
-                second += w * x[r + 1, i]
-            out[r, o], out[r + 1, o] = first, second
+            out[r, o], out[r + 1, o] = row_dots(weight[o], x[r], x[r + 1], stored)
         for r in range(paired, rows):
+            out[r, o] = row_dot(weight[o], x[r], stored)
+
+
+def row_dot(weight_row, x_row, stored):
+    """sum_i W[o, i] x[i] for one row of W, as float32 or as bfloat16 words, `stored` long (compiled: the
+    overloads below; this is what runs where numba's compiler is off, NUMBA_DISABLE_JIT=1)."""
+    return np.float32(np.dot(widened(weight_row), x_row))
+
+
+def row_dots(weight_row, x_first, x_second, stored):
+    """row_dot of one row of W with two rows of x, each weight read once for both."""
+    return row_dot(weight_row, x_first, stored), row_dot(weight_row, x_second, stored)
+
+
+def widened(weight_row) -> np.ndarray:
+    """A row of W as float32, whichever way it is stored."""
+    if weight_row.dtype == np.float32:
+        return weight_row
+    return np.concatenate([weight_row << SHIFT, weight_row & HIGH_HALF]).view(np.float32)
+
+
+@numba.extending.intrinsic
+def float_of_bits(typingctx, bits):
+    """The float32 whose 32 bits are `bits` (a uint32), as numpy's .view(np.float32) reads them: in
+    machine code nothing at all, the same register read as a float."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvmlite.ir.FloatType())
+    return numba.float32(numba.uint32), codegen
+
+
+# A bfloat16 is a float32's top 16 bits (its sign, its 8 exponent bits, 7 of its 23 mantissa bits): so
+# widening one to float32 is a 16-bit shift into the top half, or masking the low half away.
+HIGH_HALF = np.uint32(0xFFFF0000)
+SHIFT = np.uint32(16)
+
+
+@numba.extending.overload(row_dot, jit_options={"fastmath": True})
+def _row_dot(weight_row, x_row, stored):
+    if weight_row.dtype == numba.float32:
+        def float32_row(weight_row, x_row, stored):
             total = numba.float32(0.0)
-            for i in range(width):
-                total += weight[o, i] * x[r, i]
-            out[r, o] = total
+            for i in range(stored):
+                total += weight_row[i] * x_row[i]
+            return total
+        return float32_row
+
+    def words_row(weight_row, x_row, stored):  # word i: column i in its low half, column i + I/2 in its high
+        low, high = numba.float32(0.0), numba.float32(0.0)  # half; two running sums: as one, 15.2 ms for
+        for i in range(stored):  # a 1-row pass's products where these take 13.1 (2 Intel Xeon cores)
+            low += float_of_bits(weight_row[i] << SHIFT) * x_row[i]
+            high += float_of_bits(weight_row[i] & HIGH_HALF) * x_row[stored + i]
+        return low + high
+    return words_row
 
 
-def pairs_sum_as_rows_alone(widths, kernel=dot_rows) -> bool:
+@numba.extending.overload(row_dots, jit_options={"fastmath": True})
+def _row_dots(weight_row, x_first, x_second, stored):
+    if weight_row.dtype == numba.float32:
+        def float32_rows(weight_row, x_first, x_second, stored):
+            first, second = numba.float32(0.0), numba.float32(0.0)
+            for i in range(stored):
+                w = weight_row[i]
+                first += w * x_first[i]
+                second += w * x_second[i]
+            return first, second
+        return float32_rows
+
+    def words_rows(weight_row, x_first, x_second, stored):
+        first_low, first_high = numba.float32(0.0), numba.float32(0.0)
+        second_low, second_high = numba.float32(0.0), numba.float32(0.0)
+        for i in range(stored):
+            low, high = float_of_bits(weight_row[i] << SHIFT), float_of_bits(weight_row[i] & HIGH_HALF)
+            first_low += low * x_first[i]
+            first_high += high * x_first[stored + i]
+            second_low += low * x_second[i]
+            second_high += high * x_second[stored + i]
+        return first_low + first_high, second_low + second_high
+    return words_rows
+
+
+def bfloat16_words(weight: torch.Tensor) -> np.ndarray:
+    """W [O, I] rounded to bfloat16 (as .to(torch.bfloat16) rounds) and stored two to a 32-bit word, for
+    `dot_rows`: [O, I/2] uint32, word i of a row holding column i in its low half and column i + I/2 in
+    its high half, so that each half multiplies a contiguous half of x. Half the bytes of float32."""
+    if weight.shape[1] % 2:
+        raise ValueError(f"bfloat16 words need an even number of columns, not {weight.shape[1]}")
+    bits = weight.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    half = weight.shape[1] // 2
+    return np.ascontiguousarray(bits[:, :half] | (bits[:, half:] << SHIFT))
+
+
+def pairs_sum_as_rows_alone(widths, layout=torch.Tensor.numpy, kernel=dot_rows) -> bool:
     """Whether `kernel` (`dot_rows`) sums each row of a pair exactly as it sums a row alone, bit for bit,
-    for inputs of each of these widths: what fused passes need to pair rows (cpu_fused.py). The order of
-    a vectorised sum is the compiler's choice (how many running sums, how the last few products are
-    added), made for each loop apart; on 2 AVX2 EPYC cores it is the same for both loops. Products of
-    random numbers summed in two different orders differ in some output almost surely, so agreement on
-    a 64-row matrix is the evidence."""
-    generator = np.random.default_rng(0)
+    for inputs of each of these widths and weights stored by `layout` (float32 as they are, or
+    `bfloat16_words`): what fused passes need to pair rows (cpu_fused.py). The order of a vectorised sum
+    is the compiler's choice (how many running sums, how the last few products are added), made for each
+    loop apart; on 2 AVX2 EPYC cores it is the same for both loops. Products of random numbers summed in
+    two different orders differ in some output almost surely, so agreement on a 64-row matrix is the
+    evidence."""
+    generator = torch.Generator().manual_seed(0)
     for width in sorted(set(widths)):
-        weight = generator.standard_normal((64, width), dtype=np.float32)
-        x = generator.standard_normal((2, width), dtype=np.float32)
+        weight = layout(torch.randn(64, width, generator=generator))
+        x = torch.randn(2, width, generator=generator).numpy()
         together, alone = np.empty((2, 64), dtype=np.float32), np.empty((1, 64), dtype=np.float32)
         kernel(weight, x, together, True)
         for r in range(2):

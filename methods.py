@@ -33,7 +33,7 @@ from cost_aware import CostAware, Costs
 from latency import Latency
 from cpu_kernels import Linear, prepare_kernels
 from cpu_compiled import CompiledModel, require_cpu
-from cpu_fused import FusedModel, require_float32_cpu
+from cpu_fused import FusedModel, require_cpu_weights
 from cuda_graphs import GraphedModel, require_gpu
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
@@ -346,8 +346,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "(cpu_compiled.py): about a minute per tree size the first time, then faster passes; "
                         "the same tokens in float32")
     p.add_argument("--fused", action="store_true",
-                   help="on a CPU, in float32: run each decoding pass as one loop compiled by numba (cpu_fused.py): "
-                        "no dispatch between its operations, and every method's tokens vanilla's bit for bit")
+                   help="on a CPU: run each decoding pass as one loop compiled by numba (cpu_fused.py): no "
+                        "dispatch between its operations, and every method's tokens vanilla's bit for bit; with "
+                        "--dtype bfloat16 it reads the weights as bfloat16 (half the bytes) and computes in float32")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
@@ -408,7 +409,7 @@ def checked_pass_ways(args, device: torch.device, dtypes: list[torch.dtype]) -> 
     """Which of --cuda-graphs, --compile and --fused `args` asks for (at most one), each checked for
     `device` and `dtypes`."""
     checks = {"cuda_graphs": lambda: require_gpu(device), "compile": lambda: require_cpu(device),
-              "fused": lambda: [require_float32_cpu(device, dtype) for dtype in dtypes]}
+              "fused": lambda: [require_cpu_weights(device, dtype) for dtype in dtypes]}
     chosen = [dest for dest in checks if getattr(args, dest)]
     if len(chosen) > 1:
         raise UserError(f"{' and '.join(map(flag, chosen))} each run the decoding passes their own way: choose one")

@@ -80,6 +80,31 @@ def test_the_methods_table_has_the_decode_phase_and_llama_cpp(fake_llama_cpp, tm
     assert rows["llama.cpp lookup"]["drafting_ms_per_pass"] is None and rows["auto"]["drafting_ms_per_pass"] > 0
 
 
+def test_fused_bfloat16_is_set_beside_float32_and_llama_cpps_bf16(fake_llama_cpp, tmp_path, monkeypatch,
+                                                                    default_model):
+    """--fused --dtypes float32 bfloat16: each dtype's methods table (every guesser's output its own dtype's
+    vanilla's: fused passes compute each row alike), then plain decoding in both beside llama.cpp run on the
+    same weights in F32 and in BF16."""
+    monkeypatch.setattr(bench_data, "prompts", lambda category, count, held_out=False: ["Say hi."])
+    out = tmp_path / "r.json"
+    bench.main(["--fused", "--dtypes", "float32", "bfloat16", "--methods", "anpd", "--categories", "chat",
+                "--new-tokens", "6", "--runs", "1", "--skip-transformers", "--llama-cpp", str(fake_llama_cpp),
+                "--out", str(out)])
+    tables = json.loads(out.read_text())["tables"]
+    methods = {t["dtype"]: {row[0]: dict(zip(t["columns"], row)) for row in t["rows"]}
+               for t in tables if t.get("kind") == "methods"}
+    assert all(methods[dtype]["anpd"]["same_as_vanilla"] == "1/1" for dtype in ("float32", "bfloat16"))
+    assert sorted(path.name for path in (tmp_path / "cache" / "llama-cpp").iterdir()) == [
+        "SmolLM2-135M-Instruct.BF16.gguf", "SmolLM2-135M-Instruct.F32.gguf"]
+    plain = next(t for t in tables if t.get("kind") == "plain_decoding")
+    row = dict(zip(plain["columns"], plain["rows"][0]))
+    rates = {dtype: methods[dtype]["vanilla"]["decode_tokens_per_second"] for dtype in methods}
+    assert row["category"] == "chat" and row["float32"] == rates["float32"] and row["bfloat16"] == rates["bfloat16"]
+    assert row["bfloat16 / float32"] == pytest.approx(rates["bfloat16"] / rates["float32"])
+    assert row["llama.cpp bfloat16"] == pytest.approx(10.0)  # the fake's plain decoding
+    assert row["bfloat16 / llama.cpp"] == pytest.approx(rates["bfloat16"] / 10.0)
+
+
 def test_drafting_time_is_per_pass_of_the_decode_phase():
     tally = bench.Tally()
     tally.add_run(bench.Run(31, 31, 1.0, 0.9, True, pass_inputs=Counter({1: 10, 4: 20}), draft_seconds=0.03))

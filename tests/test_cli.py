@@ -219,7 +219,7 @@ def test_compile_with_apar_is_a_clear_error(capsys, tiny_folder):
 
 
 @pytest.mark.parametrize("options, says", [
-    (["--dtype", "bfloat16"], "add --dtype float32"),
+    (["--dtype", "float64"], "float32 or bfloat16"),
     (["--device", "cuda"], "for a CPU" if torch.cuda.is_available() else "CUDA is not available"),
     (["--method", "apar"], "its own engine"), (["--compile"], "choose one")])
 def test_fused_where_it_cannot_run_is_a_clear_error(capsys, tiny_folder, options, says):

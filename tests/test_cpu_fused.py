@@ -1,9 +1,11 @@
 """--fused (cpu_fused.py): a decoding pass as one numba loop gives model.py's hidden states, logits and K/V
-to float32's rounding; computes each input row bit for bit as it would be computed alone (a guess in a
-tree as the plain decoding step that would reach it); so every method's tokens equal fused vanilla's
-exactly, on random tiny models and on the default model; and passes it does not run (too many rows, a
-batch) are model.py's own."""
+to float32's rounding (with bfloat16 weights: model.py's float32 pass on the same rounded weights);
+computes each input row bit for bit as it would be computed alone (a guess in a tree as the plain
+decoding step that would reach it); so every method's tokens equal fused vanilla's exactly, on random
+tiny models and on the default model; and passes it does not run (too many rows, a batch) are model.py's
+own."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -13,6 +15,7 @@ from cpu_fused import MAX_ROWS, FusedModel
 from cpu_kernels import Linear
 from decode import generate
 from drafters import NGramDrafter, TrieDrafter
+from errors import UserError
 from helpers import RandomGuesses, every_drafter, random_model, tiny_hf_config, trees, vanilla_answer
 from kv_cache import KVCache
 from tree import Tree
@@ -20,10 +23,14 @@ from tree import Tree
 VOCAB = 64
 
 
-def float32_model(seed: int = 0, **config):
-    """A tiny float32 Llama whose layers multiply as prepare_kernels has them on 2 AVX2 EPYC cores: numba's
-    kernel for one row, oneDNN's for more (whose sums for a row change with the rows beside it)."""
-    model = random_model(tiny_hf_config(vocab=VOCAB, **config), seed=seed, dtype=torch.float32)
+WEIGHTS = [torch.float32, torch.bfloat16]  # the dtypes a fused model stores its weights in
+
+
+def float32_model(seed: int = 0, dtype=torch.float32, **config):
+    """A tiny Llama (float32, or its weights rounded to bfloat16) whose layers multiply as prepare_kernels
+    has them on 2 AVX2 EPYC cores: numba's kernel for one row, oneDNN's for more (whose sums for a row
+    change with the rows beside it)."""
+    model = random_model(tiny_hf_config(vocab=VOCAB, **config), seed=seed, dtype=dtype)
     for layer in model.modules():
         if isinstance(layer, Linear):
             layer.picks = {1: "numba"}
@@ -49,10 +56,12 @@ def tree_pass(model, cache: KVCache, tree: Tree):
 prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @given(prefix=prefixes, tree=trees(max_nodes=20), seed=st.integers(0, 3))
-def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(prefix, tree, seed):
-    plain = float32_model(seed)
-    fused = FusedModel(plain)
+def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(weights, prefix, tree, seed):
+    """With bfloat16 weights, the pass is model.py's float32 pass on the weights rounded to bfloat16."""
+    fused = FusedModel(float32_model(seed, weights))
+    plain = float32_model(seed, weights).float()
     outputs, caches = {}, {}
     with torch.inference_mode():
         for name, m in [("plain", plain), ("fused", fused)]:
@@ -67,11 +76,13 @@ def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(prefix, tre
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @given(prefix=prefixes, tree=trees(max_nodes=20), node=st.integers(0, 19), seed=st.integers(0, 3))
-def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_it(prefix, tree, node, seed):
+def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_it(weights, prefix, tree, node,
+                                                                                    seed):
     """The node's hidden state and logits in one pass over the whole tree equal, exactly, those of the plain
     decoding step that feeds it after its ancestors (one token a pass), and so do the K/V it leaves."""
-    fused = FusedModel(float32_model(seed))
+    fused = FusedModel(float32_model(seed, weights))
     node %= len(tree)
     path = [node]
     while tree.parents[path[-1]] != -1:
@@ -91,9 +102,10 @@ def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_
                            getattr(one_by_one, part)[:, :, :, :one_by_one.length])
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_every_method_gives_fused_vanillas_tokens_exactly(seed):
-    fused = FusedModel(float32_model(seed, max_position_embeddings=256))
+def test_every_method_gives_fused_vanillas_tokens_exactly(seed, weights):
+    fused = FusedModel(float32_model(seed, weights, max_position_embeddings=256))
     prompt = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.inference_mode():
         vanilla = generate(fused, prompt, max_new_tokens=80, eos_ids=set())
@@ -115,6 +127,46 @@ def test_fused_greedy_tokens_are_model_pys():
                 == generate(plain, prompt, max_new_tokens=100, eos_ids=set()).token_ids)
 
 
+def test_bfloat16_weights_are_read_from_half_the_bytes_and_the_model_handed_over_stays_bfloat16():
+    """The fused model keeps its weight matrices as bfloat16 words (2 bytes a weight) and a float32 copy of
+    the model for the passes it leaves to model.py; the bfloat16 model it was given is not changed (bench.py
+    times it eagerly beside the fused one); its saved L(n) is kept apart from a float32 fused model's."""
+    given_model = float32_model(0, torch.bfloat16)
+    fused = FusedModel(given_model)
+    assert given_model.dtype == torch.bfloat16 and fused.dtype == torch.float32
+    assert all(m.dtype == np.uint32 for m in [*fused.matrix_arrays, fused.lm_head_array])
+    stored = sum(m.nbytes for m in fused.matrix_arrays)
+    assert stored == 2 * sum(p.numel() for block in given_model.layers for p in block.parameters() if p.dim() == 2)
+    assert fused.LABEL != FusedModel(float32_model(0)).LABEL
+
+
+def test_odd_widths_in_bfloat16_are_refused_in_one_line():
+    with pytest.raises(UserError, match="odd"):
+        FusedModel(random_model(tiny_hf_config(vocab=VOCAB, intermediate_size=33), dtype=torch.bfloat16))
+
+
+def test_machine_code_on_disk_goes_stale_when_a_module_compiled_into_it_changes(tmp_path, monkeypatch):
+    """layers_pass's machine code on disk holds cpu_kernels.dot_rows's: an edit to cpu_kernels.py alone must
+    make numba compile it again (here a cached function stamped with another module, both written here)."""
+    import importlib
+
+    (tmp_path / "uses.py").write_text("import numba\n\n@numba.njit(cache=True)\ndef plus_one(x):\n    return x + 1\n")
+    (tmp_path / "used.py").write_text("ONE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import used
+    import uses
+
+    def fresh_on_disk():
+        importlib.reload(uses)  # as a new process: the stamp read anew
+        cpu_fused.also_stamped_with(uses.plus_one, used)
+        return bool(uses.plus_one._cache._cache_file._load_index())
+    cpu_fused.also_stamped_with(uses.plus_one, used)
+    assert uses.plus_one(1) == 2  # compiled and written to disk
+    assert fresh_on_disk()
+    (tmp_path / "used.py").write_text("ONE = 2\n")
+    assert not fresh_on_disk()
+
+
 def test_the_wrapped_models_own_attributes_show_through():
     """Whatever builds a drafter from the model (its layers for a self-draft, its embedding, its rotary
     frequencies) finds the model's own, not the fused model's arrays."""
@@ -124,9 +176,11 @@ def test_the_wrapped_models_own_attributes_show_through():
     assert {name for name in names if not name.startswith("_") and getattr(fused, name) is not getattr(plain, name)} == set()
 
 
-def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch):
-    plain = float32_model(3)
-    fused = FusedModel(plain)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch, weights):
+    """(With bfloat16 weights, model.py's in float32 on those weights, into the same float32 cache.)"""
+    fused = FusedModel(float32_model(3, weights))
+    plain = float32_model(3, weights).float()
     monkeypatch.setattr(cpu_fused, "layers_pass", None)  # a call to it would fail
     tokens = torch.randint(0, VOCAB, (2, MAX_ROWS + 1), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

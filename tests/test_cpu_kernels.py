@@ -60,6 +60,23 @@ def test_numba_loops_multiply_rows_in_pairs_or_alone(rows, width, pairs):
     np.testing.assert_allclose(out, x.astype(np.float64) @ weight.T.astype(np.float64), rtol=1e-5, atol=1e-4)
 
 
+@cheap
+@given(rows=st.integers(1, 7), half_width=st.integers(1, 40), pairs=st.booleans())
+def test_bfloat16_words_multiply_as_the_weights_rounded_to_bfloat16(rows, half_width, pairs):
+    """dot_rows on `bfloat16_words` is x W^T with W rounded to bfloat16, exactly as torch rounds it; the
+    words hold every weight once (low half: column i, high half: column i + I/2)."""
+    width = 2 * half_width
+    weight = torch.randn(9, width, generator=torch.Generator().manual_seed(width)) * 3
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).numpy()
+    words = cpu_kernels.bfloat16_words(weight)
+    assert words.shape == (9, half_width) and words.dtype == np.uint32
+    np.testing.assert_array_equal(cpu_kernels.widened(words[0]), weight[0].to(torch.bfloat16).float().numpy())
+    out = np.empty((rows, 9), dtype=np.float32)
+    cpu_kernels.dot_rows(words, x, out, pairs)
+    rounded = weight.to(torch.bfloat16).double().numpy()
+    np.testing.assert_allclose(out, x.astype(np.float64) @ rounded.T, rtol=1e-5, atol=1e-4)
+
+
 def test_rows_are_paired_only_where_a_pair_is_summed_as_each_row_alone():
     """The check fused passes rely on for bit-for-bit rows: a kernel that sums a pair's rows in another
     order than a row alone (here: backwards) fails it; exact sums in one order pass."""
@@ -71,8 +88,8 @@ def test_rows_are_paired_only_where_a_pair_is_summed_as_each_row_alone():
     def one_order(weight, x, out, pairs):
         for r in range(len(x)):
             out[r] = [np.float32(sum(w * x[r], np.float32(0))) for w in weight]
-    assert not cpu_kernels.pairs_sum_as_rows_alone([33], backwards_in_pairs)
-    assert cpu_kernels.pairs_sum_as_rows_alone([33], one_order)
+    assert not cpu_kernels.pairs_sum_as_rows_alone([33], kernel=backwards_in_pairs)
+    assert cpu_kernels.pairs_sum_as_rows_alone([33], kernel=one_order)
 
 
 @cheap
