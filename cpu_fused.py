@@ -46,7 +46,6 @@ PPD's, may round its rows differently: equal to vanilla up to float32's rounding
 import copy
 import hashlib
 import math
-import os
 import sys
 
 import numba
@@ -222,7 +221,6 @@ class FusedModel:
         # in the key of this machine's saved L(n) (calibrate.machine_key), which names the dtype of the
         # arithmetic: float32 either way
         self.LABEL = "fused" if model.dtype == torch.float32 else "fused, bfloat16 weights"
-        self.weights_dtype = model.dtype
         # the passes it leaves to model.py compute as the fused ones, in float32, into the same float32
         # cache: a bfloat16 model's weights are float32's exactly (a bfloat16 is a float32's top half)
         self.model = model if model.dtype == torch.float32 else copy.deepcopy(model).float()

@@ -26,7 +26,7 @@ VOCAB = 64
 WEIGHTS = [torch.float32, torch.bfloat16]  # the dtypes a fused model stores its weights in
 
 
-def float32_model(seed: int = 0, dtype=torch.float32, **config):
+def tiny_llama(seed: int = 0, dtype=torch.float32, **config):
     """A tiny Llama (float32, or its weights rounded to bfloat16) whose layers multiply as prepare_kernels
     has them on 2 AVX2 EPYC cores: numba's kernel for one row, oneDNN's for more (whose sums for a row
     change with the rows beside it)."""
@@ -60,8 +60,8 @@ prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 @given(prefix=prefixes, tree=trees(max_nodes=20), seed=st.integers(0, 3))
 def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(weights, prefix, tree, seed):
     """With bfloat16 weights, the pass is model.py's float32 pass on the weights rounded to bfloat16."""
-    fused = FusedModel(float32_model(seed, weights))
-    plain = float32_model(seed, weights).float()
+    fused = FusedModel(tiny_llama(seed, weights))
+    plain = tiny_llama(seed, weights).float()
     outputs, caches = {}, {}
     with torch.inference_mode():
         for name, m in [("plain", plain), ("fused", fused)]:
@@ -82,7 +82,7 @@ def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_
                                                                                     seed):
     """The node's hidden state and logits in one pass over the whole tree equal, exactly, those of the plain
     decoding step that feeds it after its ancestors (one token a pass), and so do the K/V it leaves."""
-    fused = FusedModel(float32_model(seed, weights))
+    fused = FusedModel(tiny_llama(seed, weights))
     node %= len(tree)
     path = [node]
     while tree.parents[path[-1]] != -1:
@@ -105,7 +105,7 @@ def test_a_guess_in_a_tree_is_computed_bit_for_bit_as_vanilla_decoding_computes_
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_method_gives_fused_vanillas_tokens_exactly(seed, weights):
-    fused = FusedModel(float32_model(seed, weights, max_position_embeddings=256))
+    fused = FusedModel(tiny_llama(seed, weights, max_position_embeddings=256))
     prompt = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.inference_mode():
         vanilla = generate(fused, prompt, max_new_tokens=80, eos_ids=set())
@@ -120,7 +120,7 @@ def test_every_method_gives_fused_vanillas_tokens_exactly(seed, weights):
 
 
 def test_fused_greedy_tokens_are_model_pys():
-    plain = float32_model(2, max_position_embeddings=256)
+    plain = tiny_llama(2, max_position_embeddings=256)
     prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.inference_mode():
         assert (generate(FusedModel(plain), prompt, max_new_tokens=100, eos_ids=set()).token_ids
@@ -131,13 +131,13 @@ def test_bfloat16_weights_are_read_from_half_the_bytes_and_the_model_handed_over
     """The fused model keeps its weight matrices as bfloat16 words (2 bytes a weight) and a float32 copy of
     the model for the passes it leaves to model.py; the bfloat16 model it was given is not changed (bench.py
     times it eagerly beside the fused one); its saved L(n) is kept apart from a float32 fused model's."""
-    given_model = float32_model(0, torch.bfloat16)
+    given_model = tiny_llama(0, torch.bfloat16)
     fused = FusedModel(given_model)
     assert given_model.dtype == torch.bfloat16 and fused.dtype == torch.float32
     assert all(m.dtype == np.uint32 for m in [*fused.matrix_arrays, fused.lm_head_array])
     stored = sum(m.nbytes for m in fused.matrix_arrays)
     assert stored == 2 * sum(p.numel() for block in given_model.layers for p in block.parameters() if p.dim() == 2)
-    assert fused.LABEL != FusedModel(float32_model(0)).LABEL
+    assert fused.LABEL != FusedModel(tiny_llama(0)).LABEL
 
 
 def test_odd_widths_in_bfloat16_are_refused_in_one_line():
@@ -170,7 +170,7 @@ def test_machine_code_on_disk_goes_stale_when_a_module_compiled_into_it_changes(
 def test_the_wrapped_models_own_attributes_show_through():
     """Whatever builds a drafter from the model (its layers for a self-draft, its embedding, its rotary
     frequencies) finds the model's own, not the fused model's arrays."""
-    plain = float32_model(0)
+    plain = tiny_llama(0)
     fused = FusedModel(plain)
     names = [*plain._modules, *plain._buffers, *plain._parameters, *vars(plain)]
     assert {name for name in names if not name.startswith("_") and getattr(fused, name) is not getattr(plain, name)} == set()
@@ -179,8 +179,8 @@ def test_the_wrapped_models_own_attributes_show_through():
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch, weights):
     """(With bfloat16 weights, model.py's in float32 on those weights, into the same float32 cache.)"""
-    fused = FusedModel(float32_model(3, weights))
-    plain = float32_model(3, weights).float()
+    fused = FusedModel(tiny_llama(3, weights))
+    plain = tiny_llama(3, weights).float()
     monkeypatch.setattr(cpu_fused, "layers_pass", None)  # a call to it would fail
     tokens = torch.randint(0, VOCAB, (2, MAX_ROWS + 1), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
