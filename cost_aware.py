@@ -42,12 +42,12 @@ as many guesses as pay (`draft_length`), Medusa runs its heads only when their t
 time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when what their
 guesses make the next pass worth beyond its time (`surplus`), as this generation's outcomes estimate
 them, pays for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY passes in a row
-whose guesses were all cut, one pass sends them whole, so that estimates made low by a few early
-misses can recover (a probe whose accepted guesses do not pay for its inputs doubles the wait for the
-next); soft tokens' probe carries them in one pass and sends the guesses they make whole in the next
-(cut as usual, those guesses would go unjudged, and their estimates could never recover); a draft
-model's probe, which costs a draft step too, only while its rate could plausibly pay
-(`draft_could_pay`).
+whose guesses were all cut, a probe sends the part of them that their sources' priors make pay, and
+at least the likeliest (`probe`), so that estimates made low by a few early misses can recover (a
+probe whose accepted guesses do not pay for its inputs doubles the wait for the next); soft tokens'
+probe carries them in one pass and probes the guesses they make in the next (cut as usual, those
+guesses would go unjudged, and their estimates could never recover); a draft model's probe, which
+costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
 """
 
 import math
@@ -99,6 +99,11 @@ class AcceptanceEstimates:
         self.judged[key] += 1
         if accepted:
             self.accepted[key] += 1
+
+
+def prior_of(evidence: Sequence[Evidence]) -> float:
+    """A guess's estimate before any verdict: the most confident of its sources' priors (0 with none)."""
+    return max((prior for _, prior in evidence), default=0.0)
 
 
 def joint_key(evidence: Sequence[Evidence]) -> Key:
@@ -183,10 +188,10 @@ class Costs:
     """What cost-aware drafting knows during one generation: L(n), the acceptance estimates learned
     from this generation's verdicts, the drafter's own time per pass, and when to probe."""
 
-    # after this many passes whose guesses were all cut, one pass sends them whole (a draft model drafts
-    # one): estimates made low by a few early misses would otherwise never be corrected. A probe that
-    # does not pay for its inputs doubles the wait before the next one (a hopeless guesser costs ever
-    # less).
+    # after this many passes whose guesses were all cut, one pass probes them (`probe`; a draft model
+    # drafts one): estimates made low by a few early misses would otherwise never be corrected. A
+    # probe that does not pay for its inputs doubles the wait before the next one (a hopeless guesser
+    # costs ever less).
     PROBE_EVERY = 16
 
     def __init__(self, latency: Latency | OnlineLatency):
@@ -213,11 +218,13 @@ class Costs:
         self.drafter_seconds += time.perf_counter() - started
         return result
 
-    def estimates_of(self, tree: Tree) -> list[float]:
-        """p per node: the root's 1, then each guess's acceptance estimate, scaled down where a node's
-        children's estimates add up to more than 1: they are different tokens, and the model takes at
-        most one of them (greedily; two sources guessing differently cannot both be right)."""
-        p = [1.0] + [self.estimates.of_node(e) for e in tree.evidence[1:]]
+    def estimates_of(self, tree: Tree, priors: bool = False) -> list[float]:
+        """p per node: the root's 1, then each guess's acceptance estimate (`priors`: its sources' own,
+        as before any verdict), scaled down where a node's children's estimates add up to more than 1:
+        they are different tokens, and the model takes at most one of them (greedily; two sources
+        guessing differently cannot both be right)."""
+        of_node = prior_of if priors else self.estimates.of_node
+        p = [1.0] + [of_node(e) for e in tree.evidence[1:]]
         for children in tree.children:
             total = sum(p[child] for child in children)
             if total > 1:
@@ -227,7 +234,7 @@ class Costs:
 
     def cut(self, candidates: Tree) -> Tree:
         """The part of the candidates that pays (best_subtree; best_chain_prefix for a sampled chain),
-        or all of them on a probe."""
+        or on a probe the part that their priors make pay (`probe`)."""
         self.passes += 1
         withheld, self.withheld = self.withheld, False
         root_alone = candidates.subtree([0])
@@ -239,8 +246,19 @@ class Costs:
         elif len(candidates) > 1 or withheld:
             self.idle += 1
         if self.idle > self.probe_after or self.probe_due:
-            tree, self.idle, self.probing, self.probe_due = candidates, 0, True, False
+            tree, self.idle, self.probing, self.probe_due = self.probe(candidates), 0, True, False
         return tree
+
+    def probe(self, candidates: Tree) -> Tree:
+        """What a probe sends: the part of the candidates that their sources' priors make pay, what the
+        generation's first passes sent before any verdict, and at least the guess the priors rate
+        highest (a sampled chain whole: as drafted). Sent whole, a probe of Token Recycling's 16 inputs
+        cost 3.9 passes in bfloat16, where its priors send 2 or 3 (docs/results.md)."""
+        if candidates.draft_probs is not None or len(candidates) == 1:
+            return candidates
+        p = self.estimates_of(candidates, priors=True)
+        nodes = best_subtree_nodes(candidates, p, self.pass_cost)
+        return candidates.subtree(nodes if len(nodes) > 1 else [0, max(candidates.children[0], key=p.__getitem__)])
 
     def learn(self, done: Pass) -> None:
         """The pass's seconds a measurement of L at its size; each judged guess (its parent accepted)
@@ -304,9 +322,9 @@ class Costs:
         ends there (reached, and none of its children taken: they are different tokens), so they pay
         when (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
         that left them out or cut every guess, they ride along once, so that `gain`, estimated from
-        their guesses' outcomes, can recover; the next pass then sends their guesses whole (`cut`)."""
+        their guesses' outcomes, can recover; the next pass then probes their guesses (`cut`)."""
         if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
-            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses go whole in the next
+            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses are probed in the next
             return True
         nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
         best, best_carried = tree.subtree(nodes), carried.subtree(nodes)

@@ -232,6 +232,35 @@ def test_a_guess_two_sources_agree_on_is_estimated_by_its_own_verdicts():
     assert costs.estimates_of(alone)[1] == pytest.approx(costs.estimates.probability(*trie))
 
 
+@pytest.mark.parametrize("latency, sent", [
+    ({1: 1.0, 4: 1.6}, [0, 1, 3]),  # a (0.6) and its child c (reach 0.3) pay on their priors, b (0.1) not
+    ({1: 1.0, 2: 3.0}, [0, 1]),  # a guess costs two passes: no prior pays, a (the likeliest) goes alone
+])
+def test_a_probe_sends_what_the_priors_make_pay_and_at_least_their_likeliest_guess(latency, sent):
+    """Estimates made low by misses cut every guess; a probe then sends the part of the candidates that
+    the sources' priors make pay (what the generation's first passes sent), never the root alone.
+    Sent whole, a probe of Token Recycling's 16 inputs cost 3.9 passes in bfloat16."""
+    a, b, c = ("a",), ("b",), ("c",)
+    candidates = Tree([0, 1, 2, 3], [-1, 0, 0, 1], evidence=[(), ((a, 0.6),), ((b, 0.1),), ((c, 0.5),)])
+    costs = Costs(Latency(latency))
+    for key in (a, b, c):
+        for _ in range(40):
+            costs.estimates.record(key, False)
+    assert len(costs.cut(candidates)) == 1  # (the estimates alone cut everything)
+    costs.idle = costs.probe_after
+    probe = costs.cut(candidates)
+    assert costs.probing and probe.tokens == [candidates.tokens[node] for node in sent]
+
+
+def test_a_probe_of_a_sampled_chain_sends_it_as_drafted():
+    """Exact speculative sampling: whether a sampled guess is sent must not depend on itself (its own
+    confidence is its prior), so a probe sends a draft model's chain whole."""
+    chain = Tree.chain(0, [1, 2], draft_probs=torch.full((2, 4), 0.25), evidence=[((("d",), 0.01),)] * 2)
+    costs = Costs(Latency({1: 1.0, 2: 3.0}))
+    costs.idle = costs.probe_after + 1
+    assert costs.cut(chain).tokens == [0, 1, 2]
+
+
 def test_a_probe_pays_when_its_accepted_guesses_cover_its_inputs():
     """A probe of five inputs that keeps one guess: two tokens for L(5). Where L(5) is 1.5 L(1) it paid
     (the wait starts again from PROBE_EVERY); where it is 3 L(1) it did not (the wait doubles)."""
