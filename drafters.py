@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_kernels import top_k_ids
+from cpu_kernels import argmax_ids, top_k_ids
 from errors import UserError
 from kv_cache import FirstLayers, KVCache
 from sampling import Sampling, choose_token_and_probs
@@ -82,7 +82,7 @@ class Pass:
     @property
     def choices(self) -> list[int]:
         """Per node, the model's most likely next token there (its greedy choice)."""
-        return self.logits[:len(self.tree) - self.logits_start].argmax(-1).tolist()
+        return argmax_ids(self.logits[:len(self.tree) - self.logits_start])
 
     def last_hidden(self) -> torch.Tensor:
         """[D]: the final hidden state of the last accepted node (Medusa's heads read it)."""

@@ -102,6 +102,20 @@ def test_top_k_ids_are_the_largest_scores_first_ties_to_the_lower_id(scores, k, 
     expected = [sorted(range(12), key=lambda token: (-row[token], token))[:k] for row in scores]
     assert cpu_kernels.top_k_ids(values, k).reshape(len(scores), k).tolist() == expected
 
+@cheap
+@given(scores=st.lists(st.lists(st.integers(-3, 3), min_size=12, max_size=12), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), column=st.booleans())
+def test_argmax_ids_are_the_first_largest_score_per_row(scores, dtype, column):
+    """Small integer scores, so that ties are common: the first of the largest, as torch's argmax, in
+    every dtype (numpy's for float32 and float64, torch's for the rest), on a view that skips columns."""
+    values = torch.tensor(scores, dtype=dtype)
+    expected = [max(range(12), key=lambda token: (row[token], -token)) for row in scores]
+    assert cpu_kernels.argmax_ids(values) == expected
+    assert cpu_kernels.argmax_ids(values[0]) == expected[0]  # one row: an int
+    if column:  # every other token: a strided view
+        assert cpu_kernels.argmax_ids(values[:, ::2]) == [max(range(6), key=lambda t: (row[2 * t], -t)) for row in scores]
+
+
 def test_numba_kernel_leaves_torch_its_thread_count():
     """numba's first parallel call starts its threads and sets OpenMP's thread count, which torch shares, to
     the number of cores: a process that had asked torch for 1 thread (a test worker) would run on all. Run

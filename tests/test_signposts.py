@@ -44,7 +44,10 @@ def traced(run) -> set[tuple[str, str]]:
     def profile(frame, event, arg):
         if event == "call":
             path = Path(frame.f_code.co_filename)
-            if path.parent == ROOT:
+            # (not numba's compiler calling an overload's Python function, which it does only where no
+            # compiled copy of the kernel is on disk yet: no decoding runs it)
+            caller = frame.f_back
+            if path.parent == ROOT and not (caller and "numba" in Path(caller.f_code.co_filename).parts):
                 seen.add((path.stem, frame.f_code.co_qualname))
     sys.setprofile(profile)
     try:
