@@ -253,7 +253,8 @@ class Costs:
         """What a probe sends: the part of the candidates that their sources' priors make pay, what the
         generation's first passes sent before any verdict, and at least the guess the priors rate
         highest (a sampled chain whole: as drafted). Sent whole, a probe of Token Recycling's 16 inputs
-        cost 3.9 passes in bfloat16, where its priors send 2 or 3 (docs/results.md)."""
+        cost 3.9 passes in bfloat16; cut so, its probes sent one or two guesses there (docs/results.md,
+        "Probes cut to what the priors pay")."""
         if candidates.draft_probs is not None or len(candidates) == 1:
             return candidates
         p = self.estimates_of(candidates, priors=True)
