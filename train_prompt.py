@@ -24,10 +24,12 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 """
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
@@ -38,8 +40,8 @@ from safetensors.torch import load_file, save_file
 import artifacts
 from apar import (ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_in,
                   require_tied_embeddings)
-from apar_finetune import (STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits, apar_prompts,
-                           looks_list_style, packs, repetitive, training_example)
+from apar_finetune import (MIN_POINT_CHARS, STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits,
+                           apar_prompts, looks_list_style, packs, repetitive, structure, training_example)
 from cpu_kernels import bfloat16_kernels, cpu_name
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
@@ -50,8 +52,9 @@ from model import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from progress import Progress
 from sampling import Sampling
-from self_distill import (VALIDATION_EVERY, answer_positions, base_pass, generate_answers, held_out_prompts,
-                          recorded_answers, sequence, split_records, training_prompts)
+from self_distill import (VALIDATION_EVERY, answer_positions, answer_stream, base_pass, generate_answers,
+                          held_out_prompts, read_records, recorded_answers, sequence, sharegpt_answers, split_records,
+                          training_prompts)
 from staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
@@ -75,8 +78,8 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     """(training, held-out) records {"prompt_ids", "answer_ids"}. The model's own answers (generated
     once and cached): the greedy answer to every prompt and, for APAR, --sampled-answers more drawn at
     SAMPLED (the small model's greedy answers loop more often than not; drawn ones far less). For
-    APAR, --answers also offers ShareGPT's recorded replies to the same prompts, both, or
-    structured_list_answers. A prompt's answers are all held out or all trained on."""
+    APAR, --answers also offers ShareGPT's recorded replies to the same prompts, both,
+    structured_list_answers or sharegpt_points_answers. A prompt's answers are all held out or all trained on."""
     list_prompts_only = getattr(args, "list_prompts_only", False)
     args.data = data_file(model, folder, args, "-list-prompts" if list_prompts_only else "")
     source = getattr(args, "answers", "model")
@@ -87,6 +90,8 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
         prompts = [p for p in prompts if looks_list_style(p)]
     if source == "structured-lists":
         files = structured_list_answers(model, tokenizer, folder, prompts, args)
+    elif source == "sharegpt-points":
+        files = sharegpt_points_answers(model, tokenizer, folder, prompts, args)
     else:
         files = model_answers(model, tokenizer, args.data, prompts, args) if source in ("model", "mix") else []
         if source in ("sharegpt", "mix"):
@@ -134,6 +139,91 @@ def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], 
     list_answers.append(sharegpt_replies(tokenizer, lists, args))
     return ([structured(records) for records in list_answers]
             + model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args))
+
+
+# The longest detail (written up to its line's end) and closing text the model may write into a
+# recorded reply's points; a detail that runs longer has lost its line's end and drops the reply.
+DETAIL_TOKENS, TAIL_TOKENS = 128, 128
+
+
+def sharegpt_points_answers(model, tokenizer, folder: Path, prompts: list[str], args) -> list[list[dict]]:
+    """--answers sharegpt-points (APAR): on a list-style prompt ShareGPT's recorded reply, if it has
+    structure, with every point's detail written anew by the model (in_the_models_words); on every
+    other prompt the model's own answers, as with structured-lists. Why: ShareGPT's replies teach lists
+    where the model writes none (round two forked on 56-66% of held-out lists) but in another's words
+    (1.37-1.46x vanilla's perplexity), the model's own answers the reverse; a reply kept whole or the
+    model's kept whole, per prompt, gave neither both (docs/results.md, rounds two and six). Here a
+    point's root is ShareGPT's and what the child thread writes, most of an answer, the model's."""
+    lists = [p for p in prompts if looks_list_style(p)]
+    others = [p for p in prompts if not looks_list_style(p)]
+    path = data_file(model, folder, args, "-sharegpt-points")
+    if not (rewritten := read_records(path)):
+        rewritten = in_the_models_words(model, tokenizer, lists, args)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rewritten), encoding="utf-8")
+    print(f"ShareGPT's points in the model's words: {len(rewritten)} replies ({path})", file=sys.stderr)
+    return [rewritten] + model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args)
+
+
+def in_the_models_words(model, tokenizer, prompts: list[str], args) -> list[dict]:
+    """Records {"prompt_ids", "answer_ids"} of ShareGPT's structured replies to `prompts` (lists and
+    paragraph trees by apar_finetune.structure), each root as recorded and each detail the model's
+    greedy continuation of the answer so far and that root, up to the end of its line; after the last
+    point, if the reply had closing text, the model writes its own. Point k of every reply is written
+    in one batch (self_distill.answer_stream). A reply is dropped if a detail runs past DETAIL_TOKENS
+    or is shorter than a point's detail may be; it ends early where the model ends it (EOS after a
+    detail) or where it reaches --max-new-tokens (then cut there, as recorded replies are)."""
+    eos = min(tokenizer.eos_ids)
+    line_ends = {i for i in range(len(tokenizer.vocabulary())) if "\n" in tokenizer.decode([i])}
+    replies, drafts = sharegpt_answers(prompts), []
+    for prompt in prompts:
+        shape = structure(replies.get(prompt, ""))
+        if shape.kind in STRUCTURED:
+            drafts.append(Draft(tokenizer.prompt_ids(prompt, raw=False), [p.root for p in shape.points],
+                                bool(shape.tail.strip())))
+    for k in range(max((len(d.roots) for d in drafts), default=0)):
+        asking = [d for d in drafts if d.writing and k < len(d.roots)]
+        texts = [d.text + d.roots[k] for d in asking]
+        details = continuations(model, [d.prompt_ids + tokenizer.encode(t) for d, t in zip(asking, texts)],
+                                DETAIL_TOKENS, tokenizer.eos_ids | line_ends, args)
+        for draft, text, ids in zip(asking, texts, details):
+            detail = tokenizer.decode(ids).split("\n")[0].rstrip()
+            if len(ids) == DETAIL_TOKENS and ids[-1] not in line_ends or len(detail.strip()) < MIN_POINT_CHARS:
+                draft.writing = draft.kept = False
+                continue
+            draft.text = text + detail
+            draft.ended = ids[-1] in tokenizer.eos_ids
+            draft.writing = not draft.ended and len(tokenizer.encode(draft.text)) < args.max_new_tokens
+            draft.written = k + 1
+        print(f"ShareGPT's points in the model's words: point {k + 1}, {len(asking)} replies", file=sys.stderr)
+    closing = [d for d in drafts if d.kept and d.written == len(d.roots) and d.closing and not d.ended]
+    tails = continuations(model, [d.prompt_ids + tokenizer.encode(d.text + "\n\n") for d in closing],
+                          TAIL_TOKENS, tokenizer.eos_ids, args, stop=apar_answer_stop(tokenizer))
+    for draft, ids in zip(closing, tails):
+        if ids and ids[-1] in tokenizer.eos_ids:  # else no closing text: the answer ends after its last point
+            draft.text += "\n\n" + tokenizer.decode(ids).rstrip()
+    return [{"prompt_ids": d.prompt_ids, "answer_ids": (tokenizer.encode(d.text) + [eos])[:args.max_new_tokens]}
+            for d in drafts if d.kept]
+
+
+@dataclass
+class Draft:
+    """A recorded reply being rewritten: its roots, and the answer so far (roots and the model's details)."""
+    prompt_ids: list[int]
+    roots: list[str]
+    closing: bool  # whether the recorded reply had text after its last point
+    text: str = ""
+    written: int = 0  # points written
+    writing: bool = True
+    ended: bool = False  # the model wrote EOS after a detail
+    kept: bool = True
+
+
+def continuations(model, contexts: list[list[int]], max_new_tokens: int, ends: set[int], args, stop=None):
+    """The model's greedy continuation of each context (token ids), up to a token of `ends` or
+    max_new_tokens, in the contexts' order."""
+    found = dict(answer_stream(model, contexts, max_new_tokens, ends, rows=args.answer_batch, stop=stop))
+    return [found[i] for i in range(len(contexts))]
 
 
 def apar_answer_stop(tokenizer):
@@ -460,17 +550,21 @@ def build_parser() -> argparse.ArgumentParser:
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
                    "prompts: list-style ones first, then others)", records=3000, max_new_tokens=512,
                    max_prompt_tokens=192, epochs=2)
-    apar.add_argument("--answers", choices=["model", "sharegpt", "mix", "structured-lists"], default="model",
+    apar.add_argument("--answers", choices=["model", "sharegpt", "mix", "structured-lists", "sharegpt-points"],
+                      default="model",
                       help="what the adapter learns to write: the model's own answers (greedy and sampled), "
-                           "ShareGPT's recorded replies to the same prompts (the paper's data), both, or "
+                           "ShareGPT's recorded replies to the same prompts (the paper's data), both, "
                            "structured-lists: on list-style prompts only structured answers (the model's and "
-                           "ShareGPT's), on the others the model's own answers")
+                           "ShareGPT's), on the others the model's own answers, or sharegpt-points: on list-style "
+                           "prompts ShareGPT's structured replies with every point's detail written by the model, "
+                           "on the others the model's own answers")
     apar.add_argument("--list-prompts-only", action="store_true",
                       help="answer only the list-style prompts among the --records ones (the same held out as "
                            "with all of them): a cheaper round that adds list data")
     apar.add_argument("--sampled-answers", type=integer(0, 8), default=1,
                       help=f"model's answers per prompt drawn at temperature {SAMPLED.temperature}, top-p "
-                           f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model, mix or structured-lists)")
+                           f"{SAMPLED.top_p}, beside the greedy one, 0..8 (--answers model, mix, structured-lists; "
+                           "sharegpt-points: on the prompts not list-style)")
     apar.add_argument("--min-points", type=integer(0, 100), default=0,
                       help="train on a list or paragraph tree only if it has at least this many points (an "
                            "answer cut off loses its last), 0..100; 0: all")
@@ -512,7 +606,7 @@ def train_command(argv) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "apar":  # the model's answers are not made for --answers sharegpt
         refuse_idle(args, args.command_parser, [(dest, lambda args: args.answers != "sharegpt",
-                                                 "--answers model, mix and structured-lists")
+                                                 "--answers model, mix, structured-lists and sharegpt-points")
                                                 for dest in ("sampled_answers", "answer_batch")])
     if args.command == "ppd" and args.ensembles * args.soft_tokens > 64:
         raise UserError("--soft-tokens x --ensembles must be at most 64 (inputs per node)")

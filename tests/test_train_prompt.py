@@ -157,3 +157,69 @@ def test_structured_lists_trains_a_list_prompt_only_on_answers_with_structure(mo
     asked = {tuple(tok.prompt_ids(p, raw=False)): p for p in (tips, ideas, sum_, poem)}
     kept = sorted((asked[tuple(r["prompt_ids"])], tok.decode(r["answer_ids"][:-1])) for r in training)
     assert held_out == [] and kept == sorted([(tips, points), (ideas, paragraphs), (sum_, prose), (poem, points)])
+
+
+def test_sharegpt_points_keeps_the_recorded_roots_and_writes_the_details_in_the_models_words(
+        monkeypatch, tmp_path, default_tokenizer):
+    """--answers sharegpt-points: a list-style prompt's structured ShareGPT reply keeps its roots, and
+    each detail is what the model wrote after the answer so far and that root, up to its line's end;
+    the closing text is the model's too. A reply whose detail runs on without ending its line is
+    dropped, so is one without structure; the model's EOS after a detail ends the answer there. Other
+    prompts keep the model's own answers, and ShareGPT is not asked about them."""
+    import argparse
+
+    tok = default_tokenizer
+    eos = min(tok.eos_ids)
+    tips, ideas, chores, poem = ("List three tips for sleeping well.", "Give me some ideas for a party.",
+                                 "List the steps of cleaning a kitchen.", "Write a short poem about rain.")
+    replies = {
+        tips: "Here are some tips:\n\n1. **Schedule:** Go to bed at ten.\n2. Light: Keep it dark.\n"
+              "3. Screens: No phone at night.\n\nSleep well!",
+        ideas: "1. Games: Play a quiz with the guests.\n2. Food: Bake a cake together.\n"
+               "3. Music: Ask a friend to play.",
+        chores: "1. Dishes: Wash them first.\n2. Counters: Wipe them down.\n3. Floor: Mop it last.",
+        poem: "Rain on the roof. Rain on the road.\n\nRain in my heart.",  # not asked: not list-style
+    }
+    asked_sharegpt = []
+
+    def sharegpt_answers(prompts):
+        asked_sharegpt.extend(prompts)
+        return {p: replies[p] for p in prompts}
+
+    def continuations(model, contexts, max_new_tokens, ends, args, stop=None):
+        out = []
+        for context in contexts:
+            text = tok.decode(context)
+            if "Music:" in text:  # a detail that never ends its line
+                out.append(tok.encode(" la" * max_new_tokens)[:max_new_tokens])
+            elif "Counters:" in text:  # the model ends its answer after this detail
+                out.append(tok.encode(" Wipe every counter with a damp cloth.") + [eos])
+            elif ends == tok.eos_ids:  # the closing text
+                out.append(tok.encode("Those are my tips, and they work.") + [eos])
+            else:
+                out.append(tok.encode(" as the model would say it in its words.\n"))
+        return out
+
+    monkeypatch.setattr(train_prompt, "apar_prompts", lambda count, tokenizer, longest: [tips, ideas, chores, poem])
+    monkeypatch.setattr(train_prompt, "held_out_prompts", lambda tokenizer, prompts: [])
+    monkeypatch.setattr(train_prompt, "data_file", lambda model, folder, args, prompts="": tmp_path / f"a{prompts}")
+    monkeypatch.setattr(train_prompt, "generate_answers", lambda model, tokenizer, path, prompts, **how: [
+        {"prompt_ids": tok.prompt_ids(p, raw=False), "answer_ids": tok.encode("Rain falls.") + [eos]} for p in prompts])
+    monkeypatch.setattr(train_prompt, "sharegpt_answers", sharegpt_answers)
+    monkeypatch.setattr(train_prompt, "continuations", continuations)
+    args = argparse.Namespace(command="apar", answers="sharegpt-points", records=4, max_prompt_tokens=64,
+                              max_new_tokens=256, answer_batch=2, sampled_answers=0)
+    training, held_out = train_prompt.answers(None, tok, tmp_path, args)
+    asked = {tuple(tok.prompt_ids(p, raw=False)): p for p in (tips, ideas, chores, poem)}
+    kept = {asked[tuple(r["prompt_ids"])]: tok.decode(r["answer_ids"][:-1]) for r in training}
+    assert held_out == [] and sorted(asked_sharegpt) == sorted([tips, ideas, chores])
+    said = " as the model would say it in its words."
+    assert kept == {
+        tips: f"Here are some tips:\n\n1. **Schedule:**{said}\n2. Light:{said}\n3. Screens:{said}\n\n"
+              "Those are my tips, and they work.",
+        chores: f"1. Dishes:{said}\n2. Counters: Wipe every counter with a damp cloth.",
+        poem: "Rain falls.",
+    }
+    assert [p.root for p in train_prompt.structure(kept[tips]).points] == [
+        p.root for p in train_prompt.structure(replies[tips]).points]
+    assert (tmp_path / "a-sharegpt-points").is_file()  # made once: the next round reads it
