@@ -45,8 +45,9 @@ them, pays for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY 
 whose guesses were all cut, a probe sends the part of them that their sources' priors make pay, and
 at least the likeliest (`probe`), so that estimates made low by a few early misses can recover (a
 probe whose accepted guesses do not pay for its inputs doubles the wait for the next); soft tokens'
-probe carries them in one pass and probes the guesses they make in the next (cut as usual, those
-guesses would go unjudged, and their estimates could never recover); a draft model's probe, which
+probe carries them in one pass (PPD's only those that guess as far ahead as the probe will,
+`probe_depth`) and probes the guesses they make in the next (cut as usual, those guesses would go
+unjudged, and their estimates could never recover); a draft model's probe, which
 costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
 """
 
@@ -261,6 +262,14 @@ class Costs:
         nodes = best_subtree_nodes(candidates, p, self.pass_cost)
         return candidates.subtree(nodes if len(nodes) > 1 else [0, max(candidates.children[0], key=p.__getitem__)])
 
+    def probe_depth(self, shape: Tree) -> int:
+        """How far ahead a probe of a tree of this shape guesses (`probe`): extra inputs that ride
+        along for a probe need make guesses no further ahead. PPD's three soft tokens rode along whole
+        on a probe (4 inputs) where the next pass probed one or two of their guesses; carried as far as
+        this, decisions priced at one fixed L(n) gained 0.7-1.6 points (docs/results.md). `--method
+        auto` carries them all: its probe also judges the other sources' guesses, as deep as they go."""
+        return max(self.probe(shape).depths)
+
     def learn(self, done: Pass) -> None:
         """The pass's seconds a measurement of L at its size; each judged guess (its parent accepted)
         a success or a failure for its evidence keys."""
@@ -322,8 +331,9 @@ class Costs:
         them with probability P = the sum, over the nodes that carry them, of the chance that the path
         ends there (reached, and none of its children taken: they are different tokens), so they pay
         when (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
-        that left them out or cut every guess, they ride along once, so that `gain`, estimated from
-        their guesses' outcomes, can recover; the next pass then probes their guesses (`cut`)."""
+        that left them out or cut every guess, they ride along once (`carried_for_probe`: PPD then
+        carries only those that guess within `probe_depth`), so that `gain`, estimated from their
+        guesses' outcomes, can recover; the next pass then probes their guesses (`cut`)."""
         if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
             self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses are probed in the next
             return True

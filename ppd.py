@@ -124,16 +124,21 @@ class PPDDrafter(TopKDrafter):
     def propose(self):
         if not self.candidates:  # the last pass carried no soft tokens: the root carries them all, as in the prefill
             tree = Tree.chain(self.history[-1], [])
-            carried = self.carrying(tree, [self.soft_tokens.count])
+            counts = [self.soft_tokens.count]
         else:
             state = self.dynamic_tree.states[len(self.candidates)]
             tree = Tree.from_topk(self.history[-1], self.candidates, state.spec, self.accuracy, source="ppd")
-            carried = self.carrying(tree, state.soft_counts)
+            counts = state.soft_counts
+        carried = self.carrying(tree, counts)
         # their gain: what their next tree is worth beyond its time, as this generation's outcomes of
         # their guesses (the held-out accuracies at first) stand
-        if self.costs is None or self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.shape)):
+        if self.costs is None:
             return carried
-        return tree  # a pass without soft tokens: the next one has no guesses of theirs
+        if not self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.shape)):
+            return tree  # a pass without soft tokens: the next one has no guesses of theirs
+        if self.costs.carried_for_probe:  # a ride for the next pass's probe: as far ahead as it will guess
+            return self.carrying(tree, [min(count, self.costs.probe_depth(self.shape)) for count in counts])
+        return carried
 
 
 def load_drafter(model, path: Path, inputs: int, static: bool = False, costs=None) -> PPDDrafter:
