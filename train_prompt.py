@@ -183,6 +183,8 @@ def in_the_models_words(model, tokenizer, prompts: list[str], args) -> list[dict
                                 bool(shape.tail.strip())))
     for k in range(max((len(d.roots) for d in drafts), default=0)):
         asking = [d for d in drafts if d.writing and k < len(d.roots)]
+        if not asking:  # the replies with more points ended or were dropped before this one
+            break
         texts = [d.text + d.roots[k] for d in asking]
         details = continuations(model, [d.prompt_ids + tokenizer.encode(t) for d, t in zip(asking, texts)],
                                 DETAIL_TOKENS, tokenizer.eos_ids | line_ends, args)
@@ -222,6 +224,8 @@ class Draft:
 def continuations(model, contexts: list[list[int]], max_new_tokens: int, ends: set[int], args, stop=None):
     """The model's greedy continuation of each context (token ids), up to a token of `ends` or
     max_new_tokens, in the contexts' order."""
+    if not contexts:
+        return []
     found = dict(answer_stream(model, contexts, max_new_tokens, ends, rows=args.answer_batch, stop=stop))
     return [found[i] for i in range(len(contexts))]
 

@@ -176,7 +176,7 @@ def test_sharegpt_points_keeps_the_recorded_roots_and_writes_the_details_in_the_
         tips: "Here are some tips:\n\n1. **Schedule:** Go to bed at ten.\n2. Light: Keep it dark.\n"
               "3. Screens: No phone at night.\n\nSleep well!",
         ideas: "1. Games: Play a quiz with the guests.\n2. Food: Bake a cake together.\n"
-               "3. Music: Ask a friend to play.",
+               "3. Music: Ask a friend to play.\n4. Gifts: Wrap them the night before.",
         chores: "1. Dishes: Wash them first.\n2. Counters: Wipe them down.\n3. Floor: Mop it last.",
         poem: "Rain on the roof. Rain on the road.\n\nRain in my heart.",  # not asked: not list-style
     }
@@ -223,3 +223,16 @@ def test_sharegpt_points_keeps_the_recorded_roots_and_writes_the_details_in_the_
     assert [p.root for p in train_prompt.structure(kept[tips]).points] == [
         p.root for p in train_prompt.structure(replies[tips]).points]
     assert (tmp_path / "a-sharegpt-points").is_file()  # made once: the next round reads it
+
+
+def test_continuations_come_in_the_contexts_order_and_none_are_asked_of_no_context():
+    """A round of ShareGPT's points that no reply reaches asks nothing (the round after the longest
+    reply still being written ended would otherwise reach answer_stream with no prompt)."""
+    import argparse
+
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    args = argparse.Namespace(answer_batch=2)
+    contexts = [[1, 2, 3], [4], [5, 6]]
+    assert train_prompt.continuations(model, [], 8, {0}, args) == []
+    together = train_prompt.continuations(model, contexts, 8, {0}, args)
+    assert together == [train_prompt.continuations(model, [c], 8, {0}, args)[0] for c in contexts]
