@@ -137,7 +137,8 @@ class PPDDrafter(TopKDrafter):
         if not self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.shape)):
             return tree  # a pass without soft tokens: the next one has no guesses of theirs
         if self.costs.carried_for_probe:  # a ride for the next pass's probe: as far ahead as it will guess
-            return self.carrying(tree, [min(count, self.costs.probe_depth(self.shape)) for count in counts])
+            depth = self.costs.probe_depth(self.shape)
+            return self.carrying(tree, [min(count, depth) for count in counts])
         return carried
 
 

@@ -261,8 +261,7 @@ def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, ma
     done = read_records(out_file)
     if len(done) >= count:
         return done[:count]
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text("".join(json.dumps(r) + "\n" for r in done), encoding="utf-8")  # drops a cut line
+    write_records(out_file, done)  # drops a cut line
     prompt_ids = [tokenizer.prompt_ids(p, raw=False) for p in prompts]
     todo = [prompt_ids[i] for i in answer_order(prompt_ids)][len(done):]
     started, made_tokens, written, ended_early = time.perf_counter(), 0, 0, {}
@@ -282,6 +281,12 @@ def generate_answers(model, tokenizer, out_file: Path, prompts: list[str], *, ma
             progress.update(f"{finished}/{count} answers, {rate:.0f} tokens/s, ETA {eta / 60:.1f} min")
     progress.done(f"{count} answers")
     return read_records(out_file)[:count]
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """`records` as JSON lines at `path` (read_records reads them back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
 
 def read_records(path: Path) -> list[dict]:

@@ -24,7 +24,6 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -54,7 +53,7 @@ from progress import Progress
 from sampling import Sampling
 from self_distill import (VALIDATION_EVERY, answer_positions, answer_stream, base_pass, generate_answers,
                           held_out_prompts, read_records, recorded_answers, sequence, sharegpt_answers, split_records,
-                          training_prompts)
+                          training_prompts, write_records)
 from staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
@@ -87,7 +86,7 @@ def answers(model, tokenizer, folder, args) -> tuple[list[dict], list[dict]]:
     prompts = choose(args.records, tokenizer, args.max_prompt_tokens)
     held_out = held_out_prompts(tokenizer, prompts)  # the whole set's, also when only its list prompts are answered
     if list_prompts_only:
-        prompts = [p for p in prompts if looks_list_style(p)]
+        prompts, _ = by_style(prompts)
     if source == "structured-lists":
         files = structured_list_answers(model, tokenizer, folder, prompts, args)
     elif source == "sharegpt-points":
@@ -120,6 +119,17 @@ def sharegpt_replies(tokenizer, prompts: list[str], args) -> list[dict]:
     return replies
 
 
+def by_style(prompts: list[str]) -> tuple[list[str], list[str]]:
+    """(the list-style prompts, the others), each in order: APAR's --answers that treat them apart."""
+    style = [looks_list_style(p) for p in prompts]
+    return [p for p, s in zip(prompts, style) if s], [p for p, s in zip(prompts, style) if not s]
+
+
+def answers_to_others(model, tokenizer, folder: Path, others: list[str], args) -> list[list[dict]]:
+    """The model's own answers to the prompts that are not list-style (model_answers, cached apart)."""
+    return model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args)
+
+
 def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], args) -> list[list[dict]]:
     """--answers structured-lists (APAR): on a list-style prompt only answers with structure, the
     model's own and ShareGPT's recorded reply; on every other prompt the model's own answers, whatever
@@ -128,8 +138,7 @@ def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], 
     62% without), and the small model writes no list for most list-style prompts, where the recorded
     replies do. The negatives then come from code, math and prose prompts, in the model's own words."""
     control = ControlTokens.of(tokenizer)
-    lists = [p for p in prompts if looks_list_style(p)]
-    others = [p for p in prompts if not looks_list_style(p)]
+    lists, others = by_style(prompts)
 
     def structured(records):
         return [r for r in records
@@ -138,7 +147,7 @@ def structured_list_answers(model, tokenizer, folder: Path, prompts: list[str], 
     list_answers = model_answers(model, tokenizer, data_file(model, folder, args, "-list-prompts"), lists, args)
     list_answers.append(sharegpt_replies(tokenizer, lists, args))
     return ([structured(records) for records in list_answers]
-            + model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args))
+            + answers_to_others(model, tokenizer, folder, others, args))
 
 
 # The longest detail (written up to its line's end) and closing text the model may write into a
@@ -154,15 +163,13 @@ def sharegpt_points_answers(model, tokenizer, folder: Path, prompts: list[str], 
     (1.37-1.46x vanilla's perplexity), the model's own answers the reverse; a reply kept whole or the
     model's kept whole, per prompt, gave neither both (docs/results.md, rounds two and six). Here a
     point's root is ShareGPT's and what the child thread writes, most of an answer, the model's."""
-    lists = [p for p in prompts if looks_list_style(p)]
-    others = [p for p in prompts if not looks_list_style(p)]
+    lists, others = by_style(prompts)
     path = data_file(model, folder, args, "-sharegpt-points")
     if not (rewritten := read_records(path)):
         rewritten = in_the_models_words(model, tokenizer, lists, args)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rewritten), encoding="utf-8")
+        write_records(path, rewritten)
     print(f"ShareGPT's points in the model's words: {len(rewritten)} replies ({path})", file=sys.stderr)
-    return [rewritten] + model_answers(model, tokenizer, data_file(model, folder, args, "-other-prompts"), others, args)
+    return [rewritten] + answers_to_others(model, tokenizer, folder, others, args)
 
 
 def in_the_models_words(model, tokenizer, prompts: list[str], args) -> list[dict]:
