@@ -136,9 +136,10 @@ class PPDDrafter(TopKDrafter):
             return carried
         if not self.costs.extra_inputs_pay(tree, carried, self.costs.surplus(self.shape)):
             return tree  # a pass without soft tokens: the next one has no guesses of theirs
-        if self.costs.carried_for_probe:  # a ride for the next pass's probe: as far ahead as it will guess
-            depth = self.costs.probe_depth(self.shape)
-            return self.carrying(tree, [min(count, depth) for count in counts])
+        if self.costs.carried_for_probe:  # a ride for the next pass's probe: as far ahead as it will guess,
+            depth = self.costs.probe_depth(self.shape)  # in as many as a state of the tree follows (static: all)
+            ride = min(k for k in self.dynamic_tree.states if k >= depth)
+            return self.carrying(tree, [min(count, ride) for count in counts])
         return carried
 
 

@@ -174,15 +174,16 @@ def test_soft_tokens_that_never_pay_ride_along_only_on_probes():
     assert any(passes) and sum(passes) <= len(passes) // Costs.PROBE_EVERY + 1
 
 
-@pytest.mark.parametrize("soft_tokens, ensembles", [(2, 1), (3, 2)])
-def test_a_soft_token_probe_sends_a_guess_they_make_in_the_next_pass(soft_tokens, ensembles):
+@pytest.mark.parametrize("soft_tokens, ensembles, dynamic", [(2, 1, True), (3, 2, True), (2, 1, False)])
+def test_a_soft_token_probe_sends_a_guess_they_make_in_the_next_pass(soft_tokens, ensembles, dynamic):
     """Soft tokens that never pay ride along on a probe, only those that guess as far ahead as the
-    probe will (Costs.probe_depth), in all their copies; the guesses they make come a pass later, and
-    that pass probes them (at least the likeliest is sent): cut as usual, they would go unjudged and
-    their estimates never recover."""
+    probe will (Costs.probe_depth), in all their copies (a static tree, whose one state follows a node
+    carrying them all: all of them); the guesses they make come a pass later, and that pass probes
+    them (at least the likeliest is sent): cut as usual, they would go unjudged and their estimates
+    never recover."""
     model = model_of(0)
     costs = Costs(Latency({1: 1.0, 64: 1000.0}))
-    ppd = random_ppd(model, 0, soft_tokens, ensembles, 8, True, costs)
+    ppd = random_ppd(model, 0, soft_tokens, ensembles, 8, dynamic, costs)
     drafter = CostAware(ppd, costs)
     carried, cuts = [], []
 
@@ -191,9 +192,9 @@ def test_a_soft_token_probe_sends_a_guess_they_make_in_the_next_pass(soft_tokens
         cuts.append(drafter.last_cut)
     generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter, on_pass=watch)
     probes = [i for i in range(1, len(carried) - 1) if carried[i]]  # (the first pass follows the prefill's)
-    reach = costs.probe_depth(ppd.shape)
+    reach = costs.probe_depth(ppd.shape) if dynamic else soft_tokens
     assert probes and all(cuts[i + 1].sent > 0 for i in probes)
-    assert reach < soft_tokens and {carried[i] for i in probes} == {reach * ensembles}
+    assert costs.probe_depth(ppd.shape) < soft_tokens and {carried[i] for i in probes} == {reach * ensembles}
 
 
 def test_shipped_soft_tokens_equal_vanilla_on_the_default_model(default_model, default_tokenizer):
