@@ -14,12 +14,14 @@ Python's syntax.
 
 **bfloat16 weights** (`--dtype bfloat16`). Plain decoding reads every weight once a pass, so it takes as
 long as the memory takes to deliver them: stored as bfloat16, half the bytes, the products take about
-half the time. A bfloat16 is the top half of a float32, so `dot_rows` widens each weight with a shift
-(cpu_kernels.bfloat16_words stores them two to a 32-bit word) and does all its arithmetic in float32, as
-it does for float32 weights: the model is the float32 model with its weights rounded to bfloat16, every
-activation, sum and the cache in float32 (not the bfloat16 arithmetic of model.py's `--dtype bfloat16`,
-whose every operation rounds to bfloat16). On 2 Intel Xeon cores (AVX-512) a pass over 1 input took 14.3 ms
-against float32's 24.0; no bfloat16 instructions are needed, only the shift.
+half the time (cpu_kernels.bfloat16_words stores them two to a 32-bit word). On a CPU with AVX512-BF16
+they are multiplied by its bfloat16 instruction, each product's input rounded to bfloat16 as that
+instruction needs (cpu_bfloat16.py; 12.1 ms for a pass over 1 input on 2 Intel Xeon cores, against
+float32's 22-24: the memory's limit); elsewhere `dot_rows` widens each weight to float32 with a shift and
+does all its arithmetic in float32 (14-16 ms there). Either way every activation, sum and the cache stay
+float32: the model is the float32 model with its weights rounded to bfloat16 (and, by the instruction,
+each product's input), not the bfloat16 arithmetic of model.py's `--dtype bfloat16`, whose every
+operation rounds to bfloat16.
 
 **Batch invariance.** The same loop computes each input row the same way whatever the other rows of
 its pass are: a row's dot products are summed by `dot_rows` in one order, which depends on the row's
@@ -49,9 +51,11 @@ import math
 import sys
 
 import numba
+import numba.extending
 import numpy as np
 import torch
 
+import cpu_bfloat16
 import cpu_kernels
 from cpu_kernels import bfloat16_words, dot_rows, numba_threads_as_torch, pairs_sum_as_rows_alone
 from errors import UserError
@@ -68,6 +72,24 @@ def require_cpu_weights(device: torch.device, dtype: torch.dtype) -> None:
         raise UserError("--fused compiles the decoding passes for a CPU; on a GPU use --cuda-graphs")
     if dtype not in WEIGHTS:
         raise UserError("--fused reads float32 or bfloat16 weights; add --dtype float32 or --dtype bfloat16")
+
+
+def products(weight, x, out, pairs):
+    """out = x W^T, for a pass: with bfloat16 words on a CPU with AVX512-BF16 by that instruction, each
+    input rounded to bfloat16 (cpu_bfloat16.py: 1.2-1.4x faster at 1-8 inputs on 2 Intel Xeon cores);
+    otherwise by cpu_kernels.dot_rows, in float32 (compiled: the overload below picks one by the weights'
+    type, once)."""
+    if weight.dtype == np.uint32 and cpu_bfloat16.NATIVE:
+        cpu_bfloat16.dot_rows(weight, x, out)
+    else:
+        dot_rows(weight, x, out, pairs)
+
+
+@numba.extending.overload(products)
+def _products(weight, x, out, pairs):
+    if weight.dtype == numba.uint32 and cpu_bfloat16.NATIVE:
+        return lambda weight, x, out, pairs: cpu_bfloat16.dot_rows(weight, x, out)
+    return lambda weight, x, out, pairs: dot_rows(weight, x, out, pairs)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -163,7 +185,7 @@ def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, ma
     x: [T, D] (the inputs' embeddings, overwritten: the residual stream); norms: each layer's attention
     and MLP norm weights, then the final norm's; matrices: each layer's wqkv, wo, w_gate_up, w_down (typed
     lists, so that one compilation serves models of any depth); keys, values: [layers, 1, K, capacity, E],
-    the cache; slots, positions: [T]; mask: [T, S] over the cache's first S slots; pairs: dot_rows' choice;
+    the cache; slots, positions: [T]; mask: [T, S] over the cache's first S slots; pairs: dot_rows' choice (products);
     out: [T, D]."""
     T, E = x.shape[0], keys.shape[4]
     normed, update = np.empty_like(x), np.empty_like(x)
@@ -173,34 +195,34 @@ def layers_pass(x, norms, matrices, positions, inv_freq, keys, values, slots, ma
         w_gate_up, w_down = matrices[4 * layer + 2], matrices[4 * layer + 3]
         norm_rows(x, attention_norm, eps, normed)
         qkv = np.empty((T, wqkv.shape[0]), dtype=np.float32)
-        dot_rows(wqkv, normed, qkv, pairs)
+        products(wqkv, normed, qkv, pairs)
         attended = np.empty((T, heads * E), dtype=np.float32)
         attention(qkv, positions, inv_freq, keys[layer, 0], values[layer, 0], slots, mask, heads, kv_heads, attended)
-        dot_rows(wo, attended, update, pairs)
+        products(wo, attended, update, pairs)
         x += update
         norm_rows(x, mlp_norm, eps, normed)
         gate_up = np.empty((T, w_gate_up.shape[0]), dtype=np.float32)
-        dot_rows(w_gate_up, normed, gate_up, pairs)
+        products(w_gate_up, normed, gate_up, pairs)
         activated = np.empty((T, w_gate_up.shape[0] // 2), dtype=np.float32)
         swiglu(gate_up, activated)
-        dot_rows(w_down, activated, update, pairs)
+        products(w_down, activated, update, pairs)
         x += update
     norm_rows(x, norms[len(norms) - 1], eps, out)
 
 
-def also_stamped_with(function, module) -> None:
-    """Make numba's copy on disk of `function`'s machine code stale when `module`'s source changes, too.
+def also_stamped_with(function, *modules) -> None:
+    """Make numba's copy on disk of `function`'s machine code stale when a module's source changes, too.
     numba reuses it while the function's own file is unchanged, but layers_pass has cpu_kernels.dot_rows
-    compiled into it: an edit to cpu_kernels.py alone ran the old products (seen while writing its
-    bfloat16 loop). The stamp is numba's own (a private attribute numba 0.68 keeps; where a version lacks
-    it, nothing changes)."""
+    and cpu_bfloat16.dot_rows compiled into it: an edit to cpu_kernels.py alone ran the old products (seen
+    while writing its bfloat16 loop). The stamp is numba's own (a private attribute numba 0.68 keeps;
+    where a version lacks it, nothing changes)."""
     cache_file = getattr(getattr(function, "_cache", None), "_cache_file", None)
     if hasattr(cache_file, "_source_stamp"):
-        source = hashlib.sha256(open(module.__file__, "rb").read()).hexdigest()
-        cache_file._source_stamp = (cache_file._source_stamp, source)
+        sources = [hashlib.sha256(open(module.__file__, "rb").read()).hexdigest() for module in modules]
+        cache_file._source_stamp = (cache_file._source_stamp, *sources)
 
 
-also_stamped_with(layers_pass, cpu_kernels)
+also_stamped_with(layers_pass, cpu_kernels, cpu_bfloat16)
 
 
 def compiled_on_disk() -> bool:
@@ -219,8 +241,11 @@ class FusedModel:
     def __init__(self, model):
         layout = WEIGHTS[model.dtype]
         # in the key of this machine's saved L(n) (calibrate.machine_key), which names the dtype of the
-        # arithmetic: float32 either way
-        self.LABEL = "fused" if model.dtype == torch.float32 else "fused, bfloat16 weights"
+        # arithmetic: float32 either way, but for the products' inputs, rounded to bfloat16 where
+        # cpu_bfloat16's instruction multiplies
+        self.rounds_inputs = model.dtype == torch.bfloat16 and cpu_bfloat16.NATIVE
+        self.LABEL = ("fused" if model.dtype == torch.float32 else
+                      "fused, bfloat16 weights and products" if self.rounds_inputs else "fused, bfloat16 weights")
         # the passes it leaves to model.py compute as the fused ones, in float32, into the same float32
         # cache: a bfloat16 model's weights are float32's exactly (a bfloat16 is a float32's top half)
         self.model = model if model.dtype == torch.float32 else copy.deepcopy(model).float()
@@ -282,5 +307,5 @@ class FusedModel:
         rows = hidden.reshape(-1, hidden.shape[-1]).numpy()
         out = np.empty((len(rows), self.config.vocab_size), dtype=np.float32)
         numba_threads_as_torch()
-        dot_rows(self.lm_head_array, np.ascontiguousarray(rows), out, self.pairs)
+        products(self.lm_head_array, np.ascontiguousarray(rows), out, self.pairs)
         return torch.from_numpy(out).view(*hidden.shape[:-1], -1)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
 
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
-    ["errors", "meter", "progress", "staging", "latency", "cpu_kernels", "model", "kv_cache", "cuda_graphs", "cpu_compiled", "cpu_fused", "tree",
+    ["errors", "meter", "progress", "staging", "latency", "cpu_kernels", "cpu_bfloat16", "model", "kv_cache", "cuda_graphs", "cpu_compiled", "cpu_fused", "tree",
      "sampling",
      "tokenizer", "convert",
      "artifacts", "bench_data", "lists_due", "prompts", "charts"],  # foundations
