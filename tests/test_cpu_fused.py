@@ -197,13 +197,37 @@ def test_passes_it_does_not_fuse_are_model_pys_own(monkeypatch, weights):
     fused = FusedModel(tiny_llama(3, weights))
     plain = tiny_llama(3, weights).float()
     monkeypatch.setattr(cpu_fused, "layers_pass", None)  # a call to it would fail
-    tokens = torch.randint(0, VOCAB, (2, MAX_ROWS + 1), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        for batch in (tokens[:1], tokens[:, :MAX_ROWS]):  # more rows than it fuses; a batch
-            caches = [KVCache.for_model(plain, capacity=batch.shape[1], batch=len(batch)) for _ in range(2)]
-            ours, theirs = [m.hidden_states(batch, positions=torch.arange(batch.shape[1]), cache=cache,
-                                            slots=cache.claim(batch.shape[1])) for m, cache in zip((fused, plain), caches)]
-            assert torch.equal(ours, theirs)
+        caches = [KVCache.for_model(plain, capacity=batch.shape[1], batch=len(batch)) for _ in range(2)]
+        ours, theirs = [m.hidden_states(batch, positions=torch.arange(batch.shape[1]), cache=cache,
+                                        slots=cache.claim(batch.shape[1])) for m, cache in zip((fused, plain), caches)]
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_a_pass_longer_than_a_fused_pass_runs_in_chunks_each_row_as_it_would_alone(weights):
+    """A prefill of more than MAX_ROWS tokens gives the hidden states and K/V of the same tokens fed a few at
+    a time, bit for bit (so a long prompt's K/V do not depend on what rides along in its prefill), and
+    model.py's to float32's rounding (bfloat16's, where products round their inputs)."""
+    fused = FusedModel(tiny_llama(4, weights, max_position_embeddings=512))
+    tokens = torch.randint(0, VOCAB, (1, 2 * MAX_ROWS + 5), generator=torch.Generator().manual_seed(1))
+    T = tokens.shape[1]
+    with torch.inference_mode():
+        whole = KVCache.for_model(fused, capacity=T)
+        hidden = fused.hidden_states(tokens, positions=torch.arange(T), cache=whole, slots=whole.claim(T))
+        few = KVCache.for_model(fused, capacity=T)
+        pieces = [fused.hidden_states(tokens[:, start:start + 7], positions=torch.arange(start, min(start + 7, T)),
+                                      cache=few, slots=few.claim(min(7, T - start))) for start in range(0, T, 7)]
+        plain = tiny_llama(4, weights, max_position_embeddings=512).float()
+        if fused.rounds_inputs:
+            rounding_products_inputs(plain)
+        eager = KVCache.for_model(plain, capacity=T)
+        theirs = plain.hidden_states(tokens, positions=torch.arange(T), cache=eager, slots=eager.claim(T))
+    assert torch.equal(hidden, torch.cat(pieces, dim=1))
+    assert torch.equal(whole.keys, few.keys) and torch.equal(whole.values, few.values)
+    tolerance = 3e-2 if fused.rounds_inputs else 1e-4
+    torch.testing.assert_close(hidden, theirs, rtol=tolerance, atol=tolerance)
 
 
 def test_the_default_model_fused_decodes_as_vanilla_and_every_guesser_as_fused_vanilla(default_model,
