@@ -348,7 +348,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused", action="store_true",
                    help="on a CPU: run each decoding pass as one loop compiled by numba (cpu_fused.py): no "
                         "dispatch between its operations, and every method's tokens vanilla's bit for bit; with "
-                        "--dtype bfloat16 it reads the weights as bfloat16 (half the bytes) and computes in float32")
+                        "--dtype bfloat16 it reads the weights as bfloat16 (half the bytes), multiplied by the CPU's "
+                        "bfloat16 instruction where it has AVX512-BF16 (each product's input rounded to bfloat16), "
+                        "everything else in float32")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
