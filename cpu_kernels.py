@@ -37,7 +37,10 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
 Fused passes (`--fused`, cpu_fused.py) call `dot_rows` directly, on float32 weights or on bfloat16
 ones stored two to a 32-bit word (`bfloat16_words`), widened to float32 by a shift: no bfloat16
 instruction is needed, and the products of a 1-row pass took 11.6 ms on 2 Intel Xeon cores against
-float32's 22.3 (reading the words once: 11.4).
+float32's 22.3 (reading the words once: 11.4). On a CPU with AVX512-BF16 they multiply the words by that
+instruction instead (cpu_bfloat16.py, each input rounded to bfloat16). `dot_rows` prefetches W's rows
+ahead of its loop (float32 passes over 2 and 4 inputs 6-10% cheaper; docs/results.md, "bfloat16's own
+instruction").
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
 Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
