@@ -45,6 +45,8 @@ import numba.extending
 import numpy as np
 from numba.core import cgutils
 
+from cpu_kernels import prefetch_instruction
+
 # whether this CPU has the instruction (machine code with it would not run, nor compile, elsewhere)
 NATIVE = "+avx512bf16" in llvmlite.binding.get_host_cpu_features().flatten().split(",")
 
@@ -80,10 +82,13 @@ def round_to_words(x, x_words):
     bits, half = x.view(np.uint32), x_words.shape[1]
     for r in range(x.shape[0]):
         for i in range(half):
-            low, high = bits[r, i], bits[r, half + i]
-            low = (low + np.uint32(0x7FFF) + ((low >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            high = (high + np.uint32(0x7FFF) + ((high >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            x_words[r, i] = low | (high << np.uint32(16))
+            x_words[r, i] = bfloat16_bits(bits[r, i]) | (bfloat16_bits(bits[r, half + i]) << np.uint32(16))
+
+
+@numba.njit(cache=True)
+def bfloat16_bits(bits):
+    """A float32's bits (uint32) -> the bfloat16 nearest to it, ties to even, in the low 16 bits."""
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
 def dot_products(builder, rows_of_w, x, stored):
@@ -95,8 +100,6 @@ def dot_products(builder, rows_of_w, x, stored):
                                                  "llvm.x86.avx512bf16.dpbf16ps.512")
     masked_load = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(WORDS, [WORDS.as_pointer(), I32, MASK, WORDS]), "llvm.masked.load.v16i32.p0")
-    prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
-                                              "llvm.prefetch.p0")
 
     def at(pointer, i):
         return builder.bitcast(builder.gep(pointer, [i]), WORDS.as_pointer())
@@ -125,9 +128,8 @@ def dot_products(builder, rows_of_w, x, stored):
         x_vector = builder.load(at(x, plus(i, LANES * k)), align=4)
         for w, own in zip(rows_of_w, sums):
             own[k].add_incoming(multiply_add(own[k], builder.load(at(w, plus(i, LANES * k)), align=4), x_vector), turn_body)
-            ahead = builder.gep(w, [builder.add(plus(i, LANES * k), builder.mul(stored, ir.Constant(I64, AHEAD)))])
-            builder.call(prefetch, [builder.bitcast(ahead, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                                    ir.Constant(I32, 1)])  # (a read, kept in every cache level, data)
+            prefetch_instruction(builder, builder.gep(w, [builder.add(plus(i, LANES * k),
+                                                                      builder.mul(stored, ir.Constant(I64, AHEAD)))]))
     i.add_incoming(plus(i, LANES * SUMS), turn_body)
     builder.branch(turn)
     # then a vector a turn, into the first running sum

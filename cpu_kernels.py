@@ -185,16 +185,20 @@ def prefetch(array, row, column):
     faults); where numba's compiler is off, nothing."""
 
 
+def prefetch_instruction(builder, address) -> None:
+    """IR: LLVM's prefetch of the cache line at `address` (a read, kept in every cache level, data)."""
+    byte, int32 = llvmlite.ir.IntType(8).as_pointer(), llvmlite.ir.IntType(32)
+    function = cgutils.get_or_insert_function(
+        builder.module, llvmlite.ir.FunctionType(llvmlite.ir.VoidType(), [byte, int32, int32, int32]), "llvm.prefetch.p0")
+    builder.call(function, [builder.bitcast(address, byte), *(llvmlite.ir.Constant(int32, n) for n in (0, 3, 1))])
+
+
 @numba.extending.intrinsic
 def prefetch_line(typingctx, array, row, column):
     def codegen(context, builder, signature, args):
         view = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0])
-        address = cgutils.get_item_pointer(context, builder, signature.args[0], view, args[1:], wraparound=False)
-        byte, int32 = llvmlite.ir.IntType(8).as_pointer(), llvmlite.ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module, llvmlite.ir.FunctionType(llvmlite.ir.VoidType(), [byte, int32, int32, int32]),
-            "llvm.prefetch.p0")
-        builder.call(function, [builder.bitcast(address, byte), *(llvmlite.ir.Constant(int32, n) for n in (0, 3, 1))])
+        prefetch_instruction(builder, cgutils.get_item_pointer(context, builder, signature.args[0], view, args[1:],
+                                                               wraparound=False))
         return context.get_dummy_value()
     return numba.types.none(array, row, column), codegen
 

@@ -57,13 +57,19 @@ def tree_pass(model, cache: KVCache, tree: Tree):
 prefixes = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 
 
-def rounding_products_inputs(model):
-    """`model` with every matrix product's input rounded to bfloat16 first (what cpu_bfloat16's instruction
-    multiplies)."""
-    for layer in model.modules():
+def model_pys_twin(fused: FusedModel, seed: int, weights, **config):
+    """model.py's float32 model on `fused`'s weights (tiny_llama's), each matrix product's input rounded to
+    bfloat16 first where `fused` rounds them (cpu_bfloat16's instruction), and how close their passes
+    should be: float32's rounding, sums taken in other orders through two layers (logits of about 5 were
+    found 2.4e-5 apart in 500 examples); with inputs rounded to bfloat16 only bfloat16's (an input a float32
+    rounding apart can round to the next bfloat16, 2^-8 of it, and that moves everything after it)."""
+    plain = tiny_llama(seed, weights, **config).float()
+    if not fused.rounds_inputs:
+        return plain, 1e-4
+    for layer in plain.modules():
         if isinstance(layer, torch.nn.Linear):
             layer.register_forward_pre_hook(lambda layer, args: (args[0].bfloat16().float(),))
-    return model
+    return plain, 3e-2
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -72,18 +78,12 @@ def test_a_fused_pass_gives_model_pys_hidden_states_logits_and_cache(weights, pr
     """With bfloat16 weights, the pass is model.py's float32 pass on the weights rounded to bfloat16 (and on
     a CPU with AVX512-BF16, each product's input too)."""
     fused = FusedModel(tiny_llama(seed, weights))
-    plain = tiny_llama(seed, weights).float()
-    if fused.rounds_inputs:
-        rounding_products_inputs(plain)
+    plain, tolerance = model_pys_twin(fused, seed, weights)
     outputs, caches = {}, {}
     with torch.inference_mode():
         for name, m in [("plain", plain), ("fused", fused)]:
             caches[name] = prefilled(m, prefix, len(tree))
             outputs[name] = tree_pass(m, caches[name], tree)
-    # (float32's rounding, sums taken in other orders through two layers: logits of about 5 were found 2.4e-5
-    # apart in 500 examples. Inputs rounded to bfloat16 round alike only up to that: an input a float32
-    # rounding apart can round to the next bfloat16, 2^-8 of it, and that moves everything after it)
-    tolerance = 3e-2 if fused.rounds_inputs else 1e-4
     for ours, theirs in zip(outputs["fused"], outputs["plain"]):
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
     for part in ("keys", "values"):
@@ -219,14 +219,11 @@ def test_a_pass_longer_than_a_fused_pass_runs_in_chunks_each_row_as_it_would_alo
         few = KVCache.for_model(fused, capacity=T)
         pieces = [fused.hidden_states(tokens[:, start:start + 7], positions=torch.arange(start, min(start + 7, T)),
                                       cache=few, slots=few.claim(min(7, T - start))) for start in range(0, T, 7)]
-        plain = tiny_llama(4, weights, max_position_embeddings=512).float()
-        if fused.rounds_inputs:
-            rounding_products_inputs(plain)
+        plain, tolerance = model_pys_twin(fused, 4, weights, max_position_embeddings=512)
         eager = KVCache.for_model(plain, capacity=T)
         theirs = plain.hidden_states(tokens, positions=torch.arange(T), cache=eager, slots=eager.claim(T))
     assert torch.equal(hidden, torch.cat(pieces, dim=1))
     assert torch.equal(whole.keys, few.keys) and torch.equal(whole.values, few.values)
-    tolerance = 3e-2 if fused.rounds_inputs else 1e-4
     torch.testing.assert_close(hidden, theirs, rtol=tolerance, atol=tolerance)
 
 
