@@ -37,14 +37,14 @@ model.py, whose PyTorch kernels round a row differently with the number of rows 
 Thinking Machines Lab 2025, "Defeating Nondeterminism in LLM Inference", on batch-invariant kernels).
 tests/test_cpu_fused.py proves it by hypothesis.
 
-A pass of more than `MAX_ROWS` inputs (a long prompt's prefill) runs as fused passes of `MAX_ROWS` rows
-in turn, each chunk's K/V cached before the next attends to them. Every row is still computed as it would
-be alone, so a long prompt's K/V are the same whatever rides along in its prefill (PPD's soft tokens), and
-every method's greedy output equals fused vanilla's on long prompts too. (On model.py's pass, MKL's GEMM,
-a prefill with soft tokens rounded the prompt's rows a float32 rounding apart from one without them; once
-products rounded their inputs to bfloat16, that flipped a bfloat16 rounding, and PPD's answer to a long
-RAG prompt parted from vanilla's.) What fused passes cannot run goes to model.py: a batch, gradients, or
-a cache that is not a KVCache (APAR's pooled slots, training's frozen prefix).
+A pass of more than `MAX_ROWS` inputs (a long prompt's prefill) runs as model.py's pass, whose MKL GEMM
+multiplies hundreds of rows about twice as fast as these loops (a 2,206-token prompt on 2 EPYC cores:
+6.4-6.8 s against 14.0-18.6 as fused passes of `MAX_ROWS` rows; docs/results.md), into the same float32
+cache. Its rows are then rounded by how many rows share the product, but decode.prefill sends the prompt
+but its last token alone, whatever method runs (the last token and PPD's soft tokens follow in a pass of
+their own), so every method's prompt K/V are the same and its greedy output fused vanilla's on long
+prompts too. Nor can fused passes run a batch, gradients, or a cache that is not a KVCache (APAR's pooled
+slots, training's frozen prefix): those go to model.py as well.
 """
 
 import copy
@@ -63,7 +63,7 @@ from cpu_kernels import bfloat16_words, dot_rows, numba_threads_as_torch, pairs_
 from errors import UserError
 from kv_cache import KVCache
 
-MAX_ROWS = 64  # inputs per fused pass at most: trees of guesses; a longer pass (a prompt's) goes in chunks
+MAX_ROWS = 64  # inputs per fused pass at most: trees of guesses; a longer pass (a prompt's) is model.py's
 # how a fused pass stores each weight matrix, by the model's dtype (cpu_kernels.dot_rows reads either)
 WEIGHTS = {torch.float32: torch.Tensor.numpy, torch.bfloat16: bfloat16_words}
 
@@ -284,11 +284,11 @@ class FusedModel:
         return self.logits(hidden), hidden
 
     def hidden_states(self, tokens=None, *, embeds=None, positions, cache=None, slots=None, mask=None):
-        """model.hidden_states, as fused passes of up to MAX_ROWS rows each where they can run it."""
+        """model.hidden_states, as one fused pass where it can run it (see the module docstring)."""
         if embeds is None:
             embeds = self.model.embed(tokens)
         B, T, _ = embeds.shape
-        if B > 1 or type(cache) is not KVCache or cache.keys.shape[1] != 1 or embeds.requires_grad:
+        if T > MAX_ROWS or B > 1 or type(cache) is not KVCache or cache.keys.shape[1] != 1 or embeds.requires_grad:
             return self.model.hidden_states(embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
         slot_numbers = np.arange(cache.length)[slots if isinstance(slots, slice) else slots.numpy()]  # [T]
         if mask is None:  # as model.hidden_states: the whole cache before the new inputs, causal among them
@@ -299,12 +299,9 @@ class FusedModel:
         numba_threads_as_torch()
         x, positions = embeds[0].numpy().copy(), positions.reshape(T).numpy()
         hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
-        for rows in (slice(start, start + MAX_ROWS) for start in range(0, T, MAX_ROWS)):  # each chunk's K/V are
-            # in the cache before the next chunk's rows attend to them
-            layers_pass(x[rows], self.norm_arrays, self.matrix_arrays, positions[rows], self.inv_freq_array,
-                        cache.keys.numpy(), cache.values.numpy(), slot_numbers[rows], allowed[rows],
-                        self.config.num_heads, self.config.num_kv_heads, self.config.rms_norm_eps, self.pairs,
-                        hidden[rows])
+        layers_pass(x, self.norm_arrays, self.matrix_arrays, positions, self.inv_freq_array, cache.keys.numpy(),
+                    cache.values.numpy(), slot_numbers, allowed, self.config.num_heads, self.config.num_kv_heads,
+                    self.config.rms_norm_eps, self.pairs, hidden)
         return torch.from_numpy(hidden).view(1, T, -1)
 
     def logits(self, hidden):

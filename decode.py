@@ -106,9 +106,22 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
 def prefill(model, cache: KVCache, prompt: Tree, sampling: Sampling, generator, answer: "Answer") -> Pass:
     """The prompt's pass (`prompt`: the prompt as a chain, perhaps with extra inputs on its last token):
     its K/V into the cache, the extra inputs' dropped, and the first new token chosen from the last
-    prompt token's logits and emitted."""
-    hidden = score_tree(model, cache, prompt)  # [P + S, D]
+    prompt token's logits and emitted.
+
+    It runs as two forward passes: the prompt but its last token, a plain causal pass, then the last
+    token with the extra inputs, a pass like every decoding pass (the root and what a method hangs on it).
+    So the prompt's K/V are the same for every method, bit for bit: a matrix product over many rows
+    rounds each row by how many rows are beside it (MKL's GEMM), and with PPD's soft tokens in the same
+    product as the prompt its K/V parted from vanilla's by a rounding, once enough to change an answer (a
+    long RAG prompt, bfloat16). It counts as one pass, the prefill."""
     last = len(prompt) - 1
+    if prompt.extra and set(prompt.extra.node) != {last}:
+        raise ValueError("a prompt carries extra inputs on its last token only")
+    head = [score_tree(model, cache, Tree.chain(prompt.tokens[0], prompt.tokens[1:last]))] if last else []  # [P - 1, D]
+    tail = Tree.chain(prompt.tokens[last], [])
+    if prompt.extra:
+        tail = tail.with_extra(prompt.extra.of_nodes([last]))
+    hidden = torch.cat([*head, score_tree(model, cache, tail)])  # [P + S, D]
     logits = require_finite(model.logits(hidden[last:]), model)  # [1 + S, V]: the last prompt token's, then
     cache.truncate(len(prompt))  # the extra inputs'
     emitted = answer.emit([choose_token(logits[0], sampling, generator)], guesses=0)

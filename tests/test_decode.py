@@ -4,18 +4,20 @@ vanilla greedy's tokens, stop reason and length. On the real default model in fl
 Lookahead equal vanilla on a few prompts. (Sampling through the loop: test_sampling_decode.py.)"""
 
 import random
+from unittest.mock import patch
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from helpers import random_model, tiny_hf_config, tiny_model, vanilla_answer
-from decode import generate
+from decode import Answer, generate, prefill
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from recycling import RecyclingDrafter
 from errors import UserError
 from sampling import Sampling
-from tree import Tree
+from kv_cache import KVCache
+from tree import ExtraInputs, Tree
 
 VOCAB = 16  # small, so random models repeat themselves and n-gram guesses get accepted
 MODEL_SEEDS = range(4)
@@ -52,6 +54,35 @@ def test_a_prompt_that_fills_the_context_is_refused_and_one_token_shorter_gets_o
         generate(model, [1] * 12, max_new_tokens=5, eos_ids=set())
     gen = generate(model, [1] * 11, max_new_tokens=5, eos_ids=set())
     assert len(gen.token_ids) == 1 and gen.stop_reason == "context"
+
+
+def test_the_prefill_scores_the_prompt_but_its_last_token_alone_whatever_rides_on_that_token():
+    """Every method's prompt K/V are vanilla's bit for bit: the prompt but its last token goes in a plain pass
+    of its own (a product over many rows rounds each row by the rows beside it), then the last token with the
+    extra inputs hung on it (PPD's soft tokens), whose K/V are dropped."""
+    model = random_model(tiny_hf_config(vocab=32), dtype=torch.float32)  # (in one pass, MKL's GEMM on 2 EPYC cores
+    # rounded these 94 prompt rows apart with 3 more rows beside them)
+    prompt_ids, soft = torch.randint(3, 32, (94,), generator=torch.Generator().manual_seed(0)).tolist(), 3
+    P = len(prompt_ids)
+    extra = ExtraInputs(node=(P - 1,) * soft, offset=(1, 2, 3), follows=(-1, 0, 1),
+                        embeddings=torch.randn(soft, model.config.hidden_size))
+    passes = []
+    def recorded(*args, **kwargs):
+        passes.append(kwargs["embeds"].shape[1])
+        return type(model).hidden_states(model, *args, **kwargs)
+    caches = []
+    for prompt in (Tree.chain(prompt_ids[0], prompt_ids[1:]), Tree.chain(prompt_ids[0], prompt_ids[1:]).with_extra(extra)):
+        cache = KVCache.for_model(model, capacity=P + soft)
+        with patch.object(model, "hidden_states", recorded), torch.inference_mode():
+            done = prefill(model, cache, prompt, Sampling(), None, Answer(5, 5, set()))
+        assert cache.length == P and done.hidden.shape[0] == prompt.input_count
+        caches.append(cache)
+    assert torch.equal(caches[0].keys[..., :P - 1, :], caches[1].keys[..., :P - 1, :])
+    assert torch.equal(caches[0].values[..., :P - 1, :], caches[1].values[..., :P - 1, :])
+    assert passes == [P - 1, 1, P - 1, 1 + soft]
+    with pytest.raises(ValueError, match="last token only"):
+        prefill(model, KVCache.for_model(model, capacity=P + 1), Tree.chain(prompt_ids[0], prompt_ids[1:]).with_extra(
+            ExtraInputs(node=(2,), offset=(1,), follows=(-1,))), Sampling(), None, Answer(5, 5, set()))
 
 
 def test_sampling_is_reproducible_with_a_seed():
