@@ -152,14 +152,18 @@ def rounds_disagreement(passes: dict[int, list[list[float]]]) -> float:
 
 def cpu_ticks() -> tuple[float, float, float] | None:
     """(CPU time of all the machine's CPUs, the part of it not idle, this process's own), in clock ticks
-    since boot; None where the machine's is not readable (/proc/stat: Linux only)."""
+    since boot; None where the machine's is not readable (/proc/stat: Linux only). This process's own
+    includes its children that ended and were waited for: a program it ran in between its passes, not
+    beside them (bench.py's llama.cpp peer: counted as another program's, it made a quiet machine look
+    32% busy)."""
     try:
         with open("/proc/stat") as stat:  # cpu  user nice system idle iowait irq softirq steal ...
             fields = [int(field) for field in stat.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
     own = os.times()
-    return sum(fields), sum(fields) - fields[3] - fields[4], (own.user + own.system) * os.sysconf("SC_CLK_TCK")
+    own_seconds = own.user + own.system + own.children_user + own.children_system
+    return sum(fields), sum(fields) - fields[3] - fields[4], own_seconds * os.sysconf("SC_CLK_TCK")
 
 
 def share_of_others(before, after) -> float | None:

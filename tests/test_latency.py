@@ -5,8 +5,11 @@ shows it every pass's time; a busy first measurement is not saved, concurrent fi
 once, and what a run measured well is saved back, a far-off table replaced, said once."""
 
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -254,6 +257,17 @@ def test_others_share_of_the_cpus_leaves_out_this_process_own_time():
     assert calibrate.share_of_others(None, after) is None
     now = calibrate.cpu_ticks()  # this machine's, where readable
     assert now is None or (now[0] >= now[1] >= 0 and now[2] >= 0)
+
+
+def test_a_program_run_and_waited_for_counts_as_this_process_own_time():
+    """bench.py runs llama.cpp between its own passes: its CPU time is not another program's load."""
+    before = calibrate.cpu_ticks()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    subprocess.run([sys.executable, "-c", "import time\nstart = time.process_time()\n"
+                    "while time.process_time() - start < 0.5: pass"], check=True)
+    after = calibrate.cpu_ticks()
+    assert after[2] - before[2] >= 0.4 * os.sysconf("SC_CLK_TCK")
 
 
 def test_concurrent_first_runs_measure_once(cache, monkeypatch):
