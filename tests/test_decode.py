@@ -70,8 +70,8 @@ def test_the_prefill_scores_the_prompt_but_its_last_token_alone_whatever_rides_o
     def recorded(*args, **kwargs):
         passes.append(kwargs["embeds"].shape[1])
         return type(model).hidden_states(model, *args, **kwargs)
-    caches = []
-    for prompt in (Tree.chain(prompt_ids[0], prompt_ids[1:]), Tree.chain(prompt_ids[0], prompt_ids[1:]).with_extra(extra)):
+    chain, caches = Tree.chain(prompt_ids[0], prompt_ids[1:]), []
+    for prompt in (chain, chain.with_extra(extra)):
         cache = KVCache.for_model(model, capacity=P + soft)
         with patch.object(model, "hidden_states", recorded), torch.inference_mode():
             done = prefill(model, cache, prompt, Sampling(), None, Answer(5, 5, set()))
@@ -81,8 +81,8 @@ def test_the_prefill_scores_the_prompt_but_its_last_token_alone_whatever_rides_o
     assert torch.equal(caches[0].values[..., :P - 1, :], caches[1].values[..., :P - 1, :])
     assert passes == [P - 1, 1, P - 1, 1 + soft]
     with pytest.raises(ValueError, match="last token only"):
-        prefill(model, KVCache.for_model(model, capacity=P + 1), Tree.chain(prompt_ids[0], prompt_ids[1:]).with_extra(
-            ExtraInputs(node=(2,), offset=(1,), follows=(-1,))), Sampling(), None, Answer(5, 5, set()))
+        prefill(model, KVCache.for_model(model, capacity=P + 1),
+                chain.with_extra(ExtraInputs(node=(2,), offset=(1,), follows=(-1,))), Sampling(), None, Answer(5, 5, set()))
 
 
 def test_sampling_is_reproducible_with_a_seed():
