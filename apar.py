@@ -57,12 +57,11 @@ from itertools import accumulate
 import torch
 
 import artifacts
-from cpu_kernels import prepare_kernels
 from drafters import Drafter, Pass, Request
 from errors import UserError
 from kv_cache import KVCache
-from meter import Counts, Meter
-from model import causal_mask, require_finite, room_for_new_tokens
+from decode import Counts, Meter, require_finite, room_for_new_tokens
+from model import causal_mask
 from sampling import Sampling
 from tree import Tree, Verdict
 from verify import verify
@@ -201,7 +200,6 @@ def load_apar_model(model, tokenizer, path) -> "AparEngine":
     tensors, _ = artifacts.load(path, "apar", model)
     with artifacts.unpacking(path, "apar"):
         apply_adapter(model, tensors, control)
-    prepare_kernels(model)  # the threads of a step go through the model together
     return AparEngine(model, control)
 
 

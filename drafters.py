@@ -25,15 +25,17 @@ chosen token; decode.py scores it in one forward pass, verifies it and tells the
   logits computed in the previous pass: Medusa heads (medusa.py) and PPD soft tokens (ppd.py).
 """
 
+import dataclasses
 import heapq
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cpu_kernels import argmax_ids, top_k_ids
 from errors import UserError
-from kv_cache import FirstLayers, KVCache
+from kv_cache import KVCache
+from model import Llama
 from sampling import Sampling, choose_token_and_probs
 from tree import Evidence, Tree, Verdict
 
@@ -82,7 +84,7 @@ class Pass:
     @property
     def choices(self) -> list[int]:
         """Per node, the model's most likely next token there (its greedy choice)."""
-        return argmax_ids(self.logits[:len(self.tree) - self.logits_start])
+        return self.logits[:len(self.tree) - self.logits_start].argmax(dim=-1).tolist()
 
     def last_hidden(self) -> torch.Tensor:
         """[D]: the final hidden state of the last accepted node (Medusa's heads read it)."""
@@ -226,6 +228,67 @@ def ngram_evidence(level: int, seen: int) -> Evidence:
 
 # ---- speculative decoding with a draft model --------------------------------------------------
 
+def first_layers(model, count: int) -> Llama:
+    """A draft model for self-speculative decoding: `model`'s embedding, its first `count` layers, then
+    its final norm and LM head (the same tensors, nothing copied). An early exit in the spirit of Draft &
+    Verify (Zhang et al. 2024) and LayerSkip (Elhoushi et al. 2024), without their training: the shallow
+    hidden state is read by a head trained on the last. Its layers' K/V of a text are the model's own,
+    so it reads them from the model's cache (`FirstLayers`)."""
+    if not 1 <= count < model.config.num_layers:
+        raise UserError(f"a draft needs between 1 and {model.config.num_layers - 1} of the model's "
+                        f"{model.config.num_layers} layers, got {count}")
+    with torch.device("meta"):
+        draft = Llama(dataclasses.replace(model.config, num_layers=count))
+    draft.embed, draft.norm, draft.lm_head = model.embed, model.norm, model.lm_head
+    draft.layers = torch.nn.ModuleList(model.layers[:count])
+    draft.inv_freq = model.inv_freq
+    draft.early_exit = True  # its layers are `model`'s first ones: it shares the loop's cache
+    return draft.eval()
+
+
+def logits_after(model, tokens: list[int], cache: KVCache) -> torch.Tensor:
+    """Feed `tokens`, which follow what `cache` holds (positions cache.length onwards, causal
+    attention), into the cache; return the logits [V] after the last of them: a draft model's step."""
+    slots = cache.claim(len(tokens))
+    positions = torch.arange(slots.start, slots.stop, device=model.device)
+    hidden = model.hidden_states(torch.tensor([tokens], device=model.device), positions=positions,
+                                 cache=cache, slots=slots)
+    return model.logits(hidden[0, -1])
+
+
+class FirstLayers(KVCache):
+    """The first `count` layers of the decoding loop's `cache`, read and written in place: the cache of
+    a draft made of the model's own first layers (`first_layers`). The model's passes already
+    wrote those layers' K/V for every token the draft would read (same weights, same tokens, same
+    positions), so the draft reads none of the history itself: self-drafting and verifying share one
+    cache, as in LayerSkip (Elhoushi et al. 2024, section 4.2, "Reusing the Cache").
+
+    Its length is its own: `follow()` sets it to the loop's before the draft reads the root and its own
+    guesses, whose K/V go to the slots after the history, the ones the model's next pass claims and
+    overwrites. The loop's cache may move its K/V to another buffer (cuda_graphs.py adopts it), so the
+    layers are looked up at every use, never held; and the cache itself is held weakly, since a drafter
+    outlives its generation and the cache should not (a graphed model's buffer serves one live cache)."""
+
+    def __init__(self, cache: KVCache, count: int):
+        if not 1 <= count <= cache.keys.shape[0]:
+            raise ValueError(f"a cache of {cache.keys.shape[0]} layers has no first {count}")
+        self.loop, self.count = weakref.ref(cache), count
+        self.capacity = cache.capacity
+        self.length = cache.length
+
+    @property
+    def keys(self):  # [count, B, K, capacity, E]: a view, writes go to the loop's cache
+        return self.loop().keys[:self.count]
+
+    @property
+    def values(self):
+        return self.loop().values[:self.count]
+
+    def follow(self) -> None:
+        """Forget the draft's guesses: what attention reads is the loop's history again."""
+        self.length = self.loop().length
+
+
 class DraftModelDrafter(Drafter):
     """A chain of `gamma` tokens decoded by a smaller model with the same vocabulary: sampled from
     its own distribution q (shaped by the same temperature / top-k / top-p as the target's p, and
@@ -236,8 +299,8 @@ class DraftModelDrafter(Drafter):
     never read) at the start of the next proposal: rollback is just moving the cache's length back.
     Over passes that guess nothing it reads nothing, and catches up on them at its next proposal.
 
-    A draft made of the model's own first layers (model.first_layers) keeps no cache: the loop's
-    holds those layers' K/V of the whole history already (kv_cache.FirstLayers), so each proposal
+    A draft made of the model's own first layers (`first_layers`) keeps no cache: the loop's
+    holds those layers' K/V of the whole history already (`FirstLayers`), so each proposal
     reads only the root and its own guesses, and a pass that guesses nothing costs it nothing.
 
     With `costs` (cost-aware drafting, cost_aware.Costs) every guess costs a draft step before it can
@@ -267,7 +330,7 @@ class DraftModelDrafter(Drafter):
     def begin(self, request):
         super().begin(request)
         self.sampling, self.generator = request.sampling, request.generator
-        if self.model.early_exit and request.cache is not None:
+        if getattr(self.model, "early_exit", False) and request.cache is not None:
             self.cache = FirstLayers(request.cache, self.model.config.num_layers)
         else:
             length = request.max_length or self.model.config.max_positions
@@ -296,7 +359,7 @@ class DraftModelDrafter(Drafter):
         unread = self.history[self.cache.length:]  # at least the root; with its own cache, the whole prompt at first
         guesses, guess_probs, evidence = [], [], []
         for _ in range(gamma):
-            logits = self.model.logits_after(unread, self.cache)
+            logits = logits_after(self.model, unread, self.cache)
             token, q = choose_token_and_probs(logits, self.sampling, self.generator)  # q: None if greedy
             guesses.append(token)
             guess_probs.append(q)
@@ -325,7 +388,7 @@ class TopKDrafter(Drafter):
 
     def keep_top(self, logits: torch.Tensor) -> None:
         """logits [distances, V] -> the TOP_RANKS best tokens per distance (none for no rows)."""
-        self.candidates = top_k_ids(logits, min(TOP_RANKS, logits.shape[-1])).tolist()
+        self.candidates = logits.topk(min(TOP_RANKS, logits.shape[-1]), dim=-1).indices.tolist()
 
 
 # ---- Lookahead: a trie of token sequences --------------------------------------------------------

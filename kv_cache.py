@@ -10,12 +10,10 @@ decoding loop either:
   to be contiguous. Keys are stored after RoPE, so moving a slot does not change what it encodes:
   the accepted path's positions were already cache_len + depth, exactly where they end up.
 
-APAR's cache (apar.py) hands out slots from a pool instead of claiming the next ones; `FrozenPrefix`
-stands in for a cache when training reads a fixed prefix's K/V; `FirstLayers` is a self-draft's window
-onto the first layers of the decoding loop's cache.
+Other caches speak the same `claim` / `write`: APAR's (apar.py) hands out slots from a pool; a
+self-draft's (drafters.FirstLayers) is a window onto the first layers of this one; training's
+(self_distill.FrozenPrefix) reads a fixed prefix's K/V.
 """
-
-import weakref
 
 import torch
 
@@ -77,53 +75,3 @@ class KVCache:
     def memory_bytes(self) -> int:
         """Bytes allocated for keys and values (the whole capacity)."""
         return self.keys.nbytes + self.values.nbytes
-
-
-class FirstLayers(KVCache):
-    """The first `count` layers of the decoding loop's `cache`, read and written in place: the cache of
-    a draft made of the model's own first layers (model.first_layers). The model's passes already
-    wrote those layers' K/V for every token the draft would read (same weights, same tokens, same
-    positions), so the draft reads none of the history itself: self-drafting and verifying share one
-    cache, as in LayerSkip (Elhoushi et al. 2024, section 4.2, "Reusing the Cache").
-
-    Its length is its own: `follow()` sets it to the loop's before the draft reads the root and its own
-    guesses, whose K/V go to the slots after the history, the ones the model's next pass claims and
-    overwrites. The loop's cache may move its K/V to another buffer (cuda_graphs.py adopts it), so the
-    layers are looked up at every use, never held; and the cache itself is held weakly, since a drafter
-    outlives its generation and the cache should not (a graphed model's buffer serves one live cache)."""
-
-    def __init__(self, cache: KVCache, count: int):
-        if not 1 <= count <= cache.keys.shape[0]:
-            raise ValueError(f"a cache of {cache.keys.shape[0]} layers has no first {count}")
-        self.loop, self.count = weakref.ref(cache), count
-        self.capacity = cache.capacity
-        self.length = cache.length
-
-    @property
-    def keys(self):  # [count, B, K, capacity, E]: a view, writes go to the loop's cache
-        return self.loop().keys[:self.count]
-
-    @property
-    def values(self):
-        return self.loop().values[:self.count]
-
-    def follow(self) -> None:
-        """Forget the draft's guesses: what attention reads is the loop's history again."""
-        self.length = self.loop().length
-
-
-class FrozenPrefix:
-    """A stand-in for KVCache when training: the keys and values of a sequence's base pass, fixed
-    ([layers, 1, K, T, E]), each layer's new K/V concatenated after them (so autograd sees through);
-    nothing is stored."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-        self.length = keys.shape[3]
-
-    def claim(self, count: int) -> slice:
-        """The slots after the prefix (never kept)."""
-        return slice(self.length, self.length + count)
-
-    def write(self, layer, slots, k, v):
-        return torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)

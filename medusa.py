@@ -20,6 +20,7 @@ runs them only when the best part of their tree would pay for it (cost_aware.Cos
 and projects them onto a shortlist of the vocabulary (SHORTLIST), not all of it.
 """
 
+import copy
 import time
 from pathlib import Path
 
@@ -28,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import artifacts
-from cpu_kernels import Linear
 from drafters import TOP_RANKS, TopKDrafter
 from tree import Tree, best_sparse_tree, expected_accepted
 
@@ -113,13 +113,13 @@ class MedusaDrafter(TopKDrafter):
         return Tree.from_topk(self.history[-1], self.candidates, self.spec, accuracy=self.accuracy, source="medusa")
 
 
-def shortlist_head(lm_head: nn.Linear, size: int) -> Linear:
-    """The LM head over the vocabulary's first `size` tokens: a view of its weight, not a copy, as a
-    cpu_kernels.Linear with the LM head's kernels (those measured fastest for its few rows, on a model
-    prepared before its drafter: the same width, and these rows are a prefix of its rows)."""
-    head = Linear(lm_head.in_features, min(size, lm_head.out_features), bias=False, device="meta")
-    head.weight = nn.Parameter(lm_head.weight[:size], requires_grad=False)
-    head.picks = lm_head.picks
+def shortlist_head(lm_head: nn.Linear, size: int) -> nn.Linear:
+    """The LM head over the vocabulary's first `size` tokens: a view of its weight, not a copy, in a
+    module of the LM head's own class and settings (a backend's kernels included: its rows are a prefix
+    of the LM head's, of the same width)."""
+    head = copy.copy(lm_head)  # the LM head's class and attributes, with a weight of its own:
+    head._parameters = {"weight": nn.Parameter(lm_head.weight[:size], requires_grad=False), "bias": None}
+    head.out_features = min(size, lm_head.out_features)
     return head
 
 

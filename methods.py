@@ -31,14 +31,11 @@ from combined import combined_drafter
 from convert import default_model_dir
 from cost_aware import CostAware, Costs
 from latency import Latency
-from cpu_kernels import Linear, prepare_kernels
-from cpu_compiled import CompiledModel, require_cpu
-from cpu_fused import FusedModel, require_cpu_weights
-from cuda_graphs import GraphedModel, require_gpu
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter
+import backends
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers
 from recycling import RecyclingDrafter
 from errors import UserError, integer, number
-from model import DTYPES, load_checkpoint, parse_device
+from checkpoint import DTYPES, load_checkpoint, parse_device
 from tokenizer import Tokenizer, check_fits
 
 DEFAULT_DRAFT_LAYERS = 4
@@ -97,7 +94,7 @@ def load_draft(options, model, tokenizer):
     """The draft for --method speculative: --draft-model's checkpoint (checked to share the
     tokenizer), or the model's own first --draft-layers layers."""
     if options.draft_model is None:
-        return model.first_layers(options.draft_layers)
+        return first_layers(model, options.draft_layers)
     draft = load_checkpoint(options.draft_model, model.dtype, model.device)
     if draft.config.vocab_size != model.config.vocab_size:
         raise UserError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
@@ -105,7 +102,6 @@ def load_draft(options, model, tokenizer):
     if Tokenizer(options.draft_model).vocabulary() != tokenizer.vocabulary():
         raise UserError(f"the draft model in {options.draft_model} uses another tokenizer than the model: "
                         "its token ids would mean other text")
-    prepare_kernels(draft)
     return draft
 
 
@@ -338,19 +334,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "tokenizer.json or tokenizer.model); default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations")
     p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="with --device cuda: replay each decoding pass as a recorded CUDA graph, one launch instead "
-                        "of hundreds (cuda_graphs.py); the same tokens")
-    p.add_argument("--compile", action="store_true",
-                   help="on a CPU: compile each decoding pass with torch.compile, its small operations fused "
-                        "(cpu_compiled.py): about a minute per tree size the first time, then faster passes; "
-                        "the same tokens in float32")
-    p.add_argument("--fused", action="store_true",
-                   help="on a CPU: run each decoding pass as one loop compiled by numba (cpu_fused.py): no "
-                        "dispatch between its operations, and every method's tokens vanilla's bit for bit; with "
-                        "--dtype bfloat16 it reads the weights as bfloat16 (half the bytes), multiplied by the CPU's "
-                        "bfloat16 instruction where it has AVX512-BF16 (each product's input rounded to bfloat16), "
-                        "everything else in float32")
+    p.add_argument("--backend", default="reference", choices=list(backends.BACKENDS),
+                   help="how the decoding passes run: " + "; ".join(f"{name}: {what}" for name, (_, what)
+                                                                   in backends.BACKENDS.items()))
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as-is instead of through the checkpoint's chat template")
 
@@ -392,47 +378,17 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def decoding_model(model, args):
-    """`model` as --cuda-graphs, --compile or --fused run its decoding passes. Compiled, TorchDynamo first drops
-    the programs compiled for earlier models in this process (bench.py's earlier --dtypes): kept, they
-    slowed the next one (`bench.py latency --compile`, compiled vanilla in bfloat16: 69.7-72.4 tokens/s
-    after float32's, 78.1-80.3 alone; docs/results.md)."""
-    if args.cuda_graphs:
-        return GraphedModel(model)
-    if args.compile:
-        torch._dynamo.reset()
-        return CompiledModel(model)
-    if args.fused:
-        return FusedModel(model)
-    return model
-
-
-def checked_pass_ways(args, device: torch.device, dtypes: list[torch.dtype]) -> list[str]:
-    """Which of --cuda-graphs, --compile and --fused `args` asks for (at most one), each checked for
-    `device` and `dtypes`."""
-    checks = {"cuda_graphs": lambda: require_gpu(device), "compile": lambda: require_cpu(device),
-              "fused": lambda: [require_cpu_weights(device, dtype) for dtype in dtypes]}
-    chosen = [dest for dest in checks if getattr(args, dest)]
-    if len(chosen) > 1:
-        raise UserError(f"{' and '.join(map(flag, chosen))} each run the decoding passes their own way: choose one")
-    for dest in chosen:
-        checks[dest]()
-    return chosen
-
-
 def load(args, method: Method):
     """The model and tokenizer the options name, with a progress line on stderr."""
     device = parse_device(args.device)
-    for dest in checked_pass_ways(args, device, [DTYPES[args.dtype]]):  # refused before the model is converted
-        if method.engine is not None:  # or loaded
-            raise UserError(f"{flag(dest)} runs the guess-and-verify loop's passes; --method {method.name} runs "
-                            "its own engine")
+    backends.check(args.backend, device, [DTYPES[args.dtype]])  # refused before the model is converted or loaded
+    if args.backend != "reference" and method.engine is not None:
+        raise UserError(f"--backend {args.backend} runs the guess-and-verify loop's passes; --method {method.name} "
+                        "runs its own engine")
     folder = args.model if args.model is not None else default_model_dir()
     started = time.perf_counter()
     model = load_checkpoint(folder, DTYPES[args.dtype], device)
-    if method.engine is None:  # (apar's weights change first: its engine lays them out after the adapter)
-        prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1)
-    model = decoding_model(model, args)
+    model = backends.apply(model, args.backend, MAX_TREE_ROWS if method.guesses else 1)
     tokenizer = Tokenizer(folder)
     check_fits(tokenizer, model.config.vocab_size, folder)
     print(f"Loaded {folder.name} ({args.dtype}, {device}) in {time.perf_counter() - started:.1f}s",

@@ -36,7 +36,7 @@ from torch import nn
 import artifacts
 from drafters import TOP_RANKS, TopKDrafter
 from errors import TooFewRows
-from kv_cache import FrozenPrefix
+from self_distill import FrozenPrefix
 from tree import ExtraInputs, Tree, best_sparse_tree, expected_accepted, path_probability
 
 LOSS_DECAY = 0.8  # alpha of equation 1 (the paper gives no value)

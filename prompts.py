@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from errors import UserError
-from model import room_for_new_tokens
+from decode import room_for_new_tokens
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 
 import bench_data
 from errors import UserError
-from kv_cache import FrozenPrefix, KVCache
+from kv_cache import KVCache
 from progress import Progress
 from sampling import Sampling, target_probs
 
@@ -311,6 +311,23 @@ def answer_positions(record) -> range:
     """Positions t whose next token (t + 1) belongs to the answer."""
     start = len(record["prompt_ids"]) - 1
     return range(start, start + len(record["answer_ids"]))
+
+
+class FrozenPrefix:
+    """A stand-in for KVCache when training: the keys and values of a sequence's base pass, fixed
+    ([layers, 1, K, T, E]), each layer's new K/V concatenated after them (so autograd sees through);
+    nothing is stored."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+        self.length = keys.shape[3]
+
+    def claim(self, count: int) -> slice:
+        """The slots after the prefix (never kept)."""
+        return slice(self.length, self.length + count)
+
+    def write(self, layer, slots, k, v):
+        return torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
 
 
 @torch.no_grad()

@@ -41,13 +41,13 @@ from apar import (ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, C
                   require_tied_embeddings)
 from apar_finetune import (MIN_POINT_CHARS, STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits,
                            apar_prompts, looks_list_style, packs, repetitive, structure, training_example)
-from cpu_kernels import bfloat16_kernels, cpu_name
+from calibrate import cpu_name
 from convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
 from medusa import MedusaHeads, medusa_accuracy, medusa_loss
 from methods import refuse_idle
-from model import load_checkpoint, parse_device
+from checkpoint import load_checkpoint, parse_device
 from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
 from progress import Progress
 from sampling import Sampling
@@ -424,7 +424,8 @@ def matmul_precision(asked: str, device: torch.device) -> str:
     AMX, a GPU that supports it), float32 elsewhere (emulated bfloat16 is slower than float32)."""
     if asked != "auto":
         return asked
-    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else bfloat16_kernels()
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else (torch.backends.mkldnn.is_available()
+                                                                        and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return "bfloat16" if native else "float32"
 
 

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_kernels import argmax_ids
 from errors import UserError
 from sampling import Sampling, target_probs
 from tree import Tree, Verdict
@@ -96,7 +95,7 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
     """Accept the longest root-to-node path on which every guess is the model's own choice (the
     argmax of its parent's logits), then add the bonus token: the choice after the path's last node.
     logits: [N, V], row i scoring the token after node i."""
-    choice = argmax_ids(logits)  # the model's own next token after each node
+    choice = logits.argmax(dim=-1).tolist()  # the model's own next token after each node
     path = longest_path(tree, lambda node: tree.tokens[node] == choice[tree.parents[node]])
     return Verdict.of(tree, path, choice[path[-1]])
 

@@ -30,7 +30,7 @@ from decode import Answer, prefill, score_tree  # noqa: E402
 from drafters import Pass, Request  # noqa: E402
 from kv_cache import KVCache  # noqa: E402
 from methods import METHODS, build_drafter, default_options  # noqa: E402
-from model import load_checkpoint  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
 from sampling import Sampling  # noqa: E402
 from show_tree import draw_pass, visible  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402

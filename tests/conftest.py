@@ -44,7 +44,7 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def default_model(default_model_dir):
-    from model import load_checkpoint
+    from checkpoint import load_checkpoint
 
     return load_checkpoint(default_model_dir, torch.float32)
 

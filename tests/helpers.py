@@ -24,8 +24,8 @@ import apar  # noqa: E402
 import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
 from medusa import MedusaDrafter, MedusaHeads  # noqa: E402
-from model import LlamaConfig, build_model, hf_weight_shapes, load_checkpoint  # noqa: E402
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, TrieDrafter  # noqa: E402
+from checkpoint import build_model, config_from_hf, hf_weight_shapes, load_checkpoint  # noqa: E402
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, TrieDrafter, first_layers  # noqa: E402
 from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree  # noqa: E402
 from tree import Tree, Verdict  # noqa: E402
 from verify import Chance, verify_speculative  # noqa: E402
@@ -58,7 +58,7 @@ def random_hf_weights(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
     """Random tensors under Hugging Face names; large enough that logits are far from uniform."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in hf_weight_shapes(LlamaConfig.from_hf(hf_config)).items():
+    for name, shape in hf_weight_shapes(config_from_hf(hf_config)).items():
         if name.endswith("norm.weight"):
             weights[name] = 1 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
         else:
@@ -67,7 +67,7 @@ def random_hf_weights(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def random_model(hf_config: dict, seed: int = 0, dtype=torch.float64):
-    return build_model(LlamaConfig.from_hf(hf_config), random_hf_weights(hf_config, seed), dtype)
+    return build_model(config_from_hf(hf_config), random_hf_weights(hf_config, seed), dtype)
 
 
 def full_logits(model, sequence):
@@ -100,7 +100,7 @@ def every_drafter(model) -> dict:
         "anpd": NGramDrafter(n=3, k=4),
         "lookahead": TrieDrafter(decoding_length=6, branch_length=3),
         "lookahead-parallel": TrieDrafter(decoding_length=6, branch_length=3, hierarchical=False),
-        "speculative": DraftModelDrafter(model.first_layers(1), gamma=3),
+        "speculative": DraftModelDrafter(first_layers(model, 1), gamma=3),
         "medusa": MedusaDrafter(model, heads.to(model.device), accuracy, inputs=8),
         "ppd": PPDDrafter(model, SoftTokens(soft.to(model.device)), best_dynamic_sparse_tree(accuracy, 12, 3, 2), accuracy),
     }

@@ -19,7 +19,7 @@ from apar_finetune import POINT, repetitive
 from cli import main
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import cheap, chi_square_p_value, path_to, random_model, scripted_apar, tiny_hf_config, tiny_model
-from meter import Counts
+from decode import Counts
 from model import causal_mask
 from sampling import Sampling, target_probs
 from tree import Tree

@@ -1,27 +1,37 @@
 """The shape of the code, checked: the modules import each other without a cycle, lowest first; no
 module imports one of ours inside a function; nothing points a reader outside the repository; and the
-decoding loop's body is steps, counted in one visible line; at most six import layers.
+decoding loop's body is steps, counted in one visible line; at most seven import layers; the
+reference core imports no backend, and no run loads one it did not ask for.
 
 Run it as a script to print the import layers:  python tests/test_architecture.py
 """
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))}
+MODULES = {path.stem: path for path in sorted(ROOT.glob("*.py"))} | {
+    f"backends.{path.stem}": path for path in sorted((ROOT / "backends").glob("*.py")) if path.stem != "__init__"} | {
+    "backends": ROOT / "backends" / "__init__.py"}
+
+# the reference core: what a reader steps through, plain PyTorch (errors: the one exception a user's
+# mistake raises, which the programs print as one line)
+CORE = {"decode", "model", "kv_cache", "tree", "verify", "sampling", "drafters"}
+CORE_MAY_IMPORT = CORE | {"errors", "torch", "numpy"}
 
 TIERS = [  # a module may import modules of its own tier or lower ones, never higher ones
-    ["errors", "meter", "progress", "staging", "latency", "cpu_kernels", "cpu_bfloat16", "model", "kv_cache", "cuda_graphs", "cpu_compiled", "cpu_fused", "tree",
-     "sampling",
-     "tokenizer", "convert",
-     "artifacts", "bench_data", "lists_due", "prompts", "charts"],  # foundations
-    ["verify", "drafters", "recycling", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
-     "combined"],  # the methods' parts
-    ["decode"],  # the guess-and-verify loop
+    ["errors", "progress", "staging", "latency", "model", "kv_cache", "tree", "sampling",
+     "tokenizer", "convert", "checkpoint",
+     "artifacts", "bench_data", "lists_due", "charts"],  # foundations
+    ["verify", "drafters", "decode"],  # the guess-and-verify loop and its guessers
+    ["prompts", "recycling", "self_distill", "medusa", "ppd", "apar", "apar_finetune", "apar_quality", "cost_aware",
+     "combined"],  # the other methods and their parts
+    ["backends", "backends.cpu_kernels", "backends.cpu_bfloat16", "backends.cuda_graphs", "backends.cpu_compiled",
+     "backends.cpu_fused"],  # the speed engines, applied from outside
     ["calibrate", "methods", "show_tree"],  # what sizes and builds a method; the loop drawn as text
     ["cli", "bench", "train_prompt", "visualize"],  # the programs
 ]
@@ -36,25 +46,34 @@ def is_main_block(node) -> bool:
 
 
 def imported_names(node) -> list[str]:
+    """The modules an import statement names: `backends.cpu_fused` for `from backends import cpu_fused`."""
     if isinstance(node, ast.Import):
-        return [alias.name.split(".")[0] for alias in node.names]
+        return [alias.name for alias in node.names]
     if isinstance(node, ast.ImportFrom) and node.level == 0:
-        return [node.module.split(".")[0]]
+        return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
     return []
 
 
-def imports(module: str) -> tuple[set[str], set[str]]:
-    """(our modules imported at module level, our modules imported inside a function or class)."""
+def ours(name: str) -> str | None:
+    """The module of ours `name` is (or is in), if any."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str, keep=ours) -> tuple[set[str], set[str]]:
+    """(modules imported at module level, modules imported inside a function or class), as `keep` names
+    them (ours: our modules only)."""
     tree = ast.parse(MODULES[module].read_text())
     top, nested = set(), set()
     for node in tree.body:
         if is_main_block(node):
             continue
-        top |= {name for name in imported_names(node) if name in MODULES}
+        top |= {keep(name) for name in imported_names(node)} - {None}
         for inner in ast.walk(node):
             if inner is not node:
-                nested |= {name for name in imported_names(inner) if name in MODULES}
-    return top, nested
+                nested |= {keep(name) for name in imported_names(inner)} - {None}
+    return top - {module}, nested - {module}
 
 
 def layers() -> list[list[str]]:
@@ -76,9 +95,9 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_import_graph_is_shallow():
-    """At most six layers: a reader following imports down from a program reaches the foundations in
-    five steps (python tests/test_architecture.py prints them)."""
-    assert len(layers()) <= 6, layers()
+    """At most seven layers: a reader following imports down from a program reaches the foundations in
+    six steps (python tests/test_architecture.py prints them)."""
+    assert len(layers()) <= 7, layers()
 
 
 def test_every_module_imports_only_its_own_tier_or_lower_ones():
@@ -123,6 +142,34 @@ def test_the_decoding_loop_is_steps_with_one_visible_count():
             assert called not in ("perf_counter", "monotonic", "now", "elapsed"), f"a clock in the loop, line {node.lineno}"
             counted += [node.lineno] if called == "add_pass" else []
     assert len(counted) == 1, f"the loop must count each pass in one line, not at lines {counted}"
+
+
+def test_the_core_imports_torch_numpy_and_itself_only():
+    """decode, model, kv_cache, tree, verify, sampling and drafters: plain PyTorch a reader can step
+    through; no backend, no method, no program (the standard library aside)."""
+    for module in CORE:
+        top, nested = imports(module, keep=lambda name: name.split(".")[0])
+        found = {name for name in top | nested if name in CORE_MAY_IMPORT or ours(name) or name in ("numba", "llvmlite")}
+        assert found <= CORE_MAY_IMPORT, (module, found - CORE_MAY_IMPORT)
+
+
+def test_importing_the_core_or_the_command_line_loads_no_backend():
+    """numba, llvmlite and the backends load only when a run asks for a backend (backends.apply)."""
+    probe = ("import sys, decode, model, verify, drafters, tree, kv_cache, sampling; core = set(sys.modules); "
+             "import cli, methods; print(sorted(m for m in ('numba', 'llvmlite', 'backends.cpu_kernels', "
+             "'backends.cpu_fused', 'backends.cpu_compiled', 'backends.cuda_graphs') if m in core), "
+             "sorted(m for m in ('numba', 'llvmlite', 'backends.cpu_kernels') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["[]", "[]"], done.stdout + done.stderr
+
+
+def test_a_backend_is_named_in_one_place_and_imported_only_when_asked_for():
+    """Only backends/__init__.py names a backend's module for a run (bench.py, which measures their
+    kernels, and the backends themselves aside)."""
+    allowed = {"bench", "backends"} | {m for m in MODULES if m.startswith("backends.")}
+    importers = {module for module in MODULES for dep in imports(module)[0]
+                 if dep.startswith("backends.") and module not in allowed}
+    assert importers == set()
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import backends
 import bench
 import bench_data
 import methods
 from errors import UserError
+from helpers import tiny_model
 
 FAKE_LOOKUP = """#!/usr/bin/env bash
 # llama-lookup's output: the prompt and the answer on stdout, timings on stderr
@@ -87,7 +89,7 @@ def test_fused_bfloat16_is_set_beside_float32_and_llama_cpps_bf16(fake_llama_cpp
     same weights in F32 and in BF16."""
     monkeypatch.setattr(bench_data, "prompts", lambda category, count, held_out=False: ["Say hi."])
     out = tmp_path / "r.json"
-    bench.main(["--fused", "--dtypes", "float32", "bfloat16", "--methods", "anpd", "--categories", "chat",
+    bench.main(["--backend", "fused", "--dtypes", "float32", "bfloat16", "--methods", "anpd", "--categories", "chat",
                 "--new-tokens", "6", "--runs", "1", "--skip-transformers", "--llama-cpp", str(fake_llama_cpp),
                 "--out", str(out)])
     tables = json.loads(out.read_text())["tables"]
@@ -179,9 +181,9 @@ def test_the_modelled_speedup_prices_each_pass_at_its_size():
 
 
 def test_cuda_graphs_off_a_gpu_and_for_benchmarks_that_do_not_time_passes_are_one_error(capsys, tmp_path):
-    for argv, says in [(["latency", "--cuda-graphs"], "add --device cuda"),
-                       (["acceptance", "--cuda-graphs"], "applies to bench.py methods and latency only"),
-                       (["acceptance", "--compile"], "applies to bench.py methods and latency only")]:
+    for argv, says in [(["latency", "--backend", "cuda-graphs"], "add --device cuda"),
+                       (["acceptance", "--backend", "cuda-graphs"], "applies to bench.py methods and latency only"),
+                       (["acceptance", "--backend", "compiled"], "applies to bench.py methods and latency only")]:
         assert bench.main([*argv, "--out", str(tmp_path / "r.json")]) != 0
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
@@ -350,7 +352,7 @@ def options_read(function: str, functions: dict, seen: set) -> set[str]:
 
 
 def test_each_benchmark_refuses_exactly_the_options_it_does_not_read():
-    functions = {}  # bench.py's, and methods.py's that it shares with decode.py (decoding_model)
+    functions = {}  # bench.py's, and methods.py's that it shares with decode.py
     for module in (methods, bench):
         tree = ast.parse(Path(module.__file__).read_text())
         functions |= {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
@@ -365,14 +367,14 @@ def test_an_option_the_benchmark_does_not_read_is_refused():
         bench.bench_command(["methods", "--gammas", "2"])
 
 
-def test_each_compiled_model_starts_without_the_programs_of_the_models_before_it(monkeypatch, default_model):
-    """bench.py --compile over several --dtypes: TorchDynamo forgets the earlier models' programs before
-    a new model is compiled (kept, they slowed the next one by about a tenth); plain runs keep the model."""
-    from cpu_compiled import CompiledModel
+def test_each_compiled_model_starts_without_the_programs_of_the_models_before_it(monkeypatch):
+    """bench.py --backend compiled over several --dtypes: TorchDynamo forgets the earlier models' programs
+    before a new model is compiled (kept, they slowed the next one by about a tenth); the reference backend
+    keeps the model as it is."""
+    from backends.cpu_compiled import CompiledModel
 
     resets = []
     monkeypatch.setattr(bench.torch._dynamo, "reset", lambda: resets.append(True))
-    plain = bench.build_parser().parse_args(["latency"])
-    assert bench.decoding_model(default_model, plain) is default_model and not resets
-    compiled = bench.decoding_model(default_model, bench.build_parser().parse_args(["latency", "--compile"]))
-    assert isinstance(compiled, CompiledModel) and resets == [True]
+    model = tiny_model()
+    assert backends.apply(model, "reference", 1) is model and not resets
+    assert isinstance(backends.apply(model, "compiled", 1), CompiledModel) and resets == [True]

@@ -206,31 +206,32 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys, tiny_folder):
 
 
 def test_cuda_graphs_off_a_gpu_or_with_apar_is_a_clear_error(capsys, tiny_folder):
-    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--cuda-graphs", "--prompt", "hi")[::2],
-                          "add --device cuda")
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--backend", "cuda-graphs", "--prompt",
+                                   "hi")[::2], "add --device cuda")
     if torch.cuda.is_available():
-        assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--cuda-graphs", "--device", "cuda",
+        assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--backend", "cuda-graphs", "--device", "cuda",
                                        "--method", "apar", "--prompt", "hi")[::2], "its own engine")
 
 
 def test_compile_with_apar_is_a_clear_error(capsys, tiny_folder):
-    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--compile", "--method", "apar",
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--backend", "compiled", "--method", "apar",
                                    "--prompt", "hi")[::2], "its own engine")
 
 
 @pytest.mark.parametrize("options, says", [
     (["--dtype", "float64"], "float32 or bfloat16"),
     (["--device", "cuda"], "for a CPU" if torch.cuda.is_available() else "CUDA is not available"),
-    (["--method", "apar"], "its own engine"), (["--compile"], "choose one")])
+    (["--method", "apar"], "its own engine")])
 def test_fused_where_it_cannot_run_is_a_clear_error(capsys, tiny_folder, options, says):
-    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--fused", *options, "--prompt", "hi")[::2],
+    assert_one_line_error(*run_cli(capsys, "--model", str(tiny_folder), "--backend", "fused", *options, "--prompt",
+                                   "hi")[::2],
                           says)
 
 
 def test_fused_decodes_the_tiny_model_as_vanilla(capsys, tiny_folder):
     plain, fused = (json.loads(run_cli(capsys, "--model", str(tiny_folder), "--raw", "--method", "anpd", "--fixed-size",
                                        *extra, "--prompt", "the quick brown", "--max-new-tokens", "20", "--json")[1])
-                    for extra in ([], ["--fused"]))
+                    for extra in ([], ["--backend", "fused"]))
     assert fused["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 20
 
 

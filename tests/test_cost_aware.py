@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from cost_aware import AcceptanceEstimates, CostAware, Costs, best_draft_length, best_subtree, draft_could_pay, reach
 from decode import generate
-from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter
+from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter, first_layers
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
 from latency import Latency
 from medusa import MedusaDrafter, MedusaHeads
@@ -152,7 +152,7 @@ def test_the_self_draft_starts_from_its_measured_acceptance(default_model, defau
     options = default_options(draft_layers=4)
     built = build_drafter(METHODS["speculative"], options, default_model, default_tokenizer, latency=Latency.flat())
     assert built.drafter.prior_alpha == DraftModelDrafter.SELF_DRAFT_ALPHA < 0.1
-    assert DraftModelDrafter(default_model.first_layers(1)).prior_alpha == 0.5
+    assert DraftModelDrafter(first_layers(default_model, 1)).prior_alpha == 0.5
 
 
 def test_a_child_as_likely_as_its_parent_comes_after_it():
@@ -304,7 +304,7 @@ def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
 def test_cost_aware_drafters_decode_as_vanilla_greedy(seed, prompt, max_new_tokens, latency):
     model = tiny_model(seed)
     for make in [lambda costs: NGramDrafter(n=3, k=4), lambda costs: TrieDrafter(decoding_length=6, branch_length=3),
-                 lambda costs: DraftModelDrafter(model.first_layers(1), gamma=3, step_cost=0.1, costs=costs)]:
+                 lambda costs: DraftModelDrafter(first_layers(model, 1), gamma=3, step_cost=0.1, costs=costs)]:
         costs = Costs(latency)
         assert_decodes_as_naive_greedy(generate, model, prompt, max_new_tokens, CostAware(make(costs), costs))
 

@@ -9,8 +9,8 @@ from hypothesis import given, strategies as st
 
 from helpers import cheap
 
-import cpu_bfloat16
-from cpu_kernels import bfloat16_words
+from backends import cpu_bfloat16
+from backends.cpu_kernels import bfloat16_words
 
 pytestmark = pytest.mark.skipif(not cpu_bfloat16.NATIVE, reason="this CPU has no AVX512-BF16")
 

@@ -7,9 +7,9 @@ Each compilation of the tiny model takes some seconds."""
 import pytest
 import torch
 
-import cuda_graphs
-from cpu_compiled import CompiledModel
-from cpu_kernels import Linear
+from backends import cuda_graphs
+from backends.cpu_compiled import CompiledModel
+from backends.cpu_kernels import Linear
 from decode import generate
 from helpers import RandomGuesses, random_model, tiny_hf_config
 from kv_cache import KVCache

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import cpu_fused
-from cpu_fused import MAX_ROWS, FusedModel
-from cpu_kernels import Linear
+from backends import cpu_fused
+from backends.cpu_fused import MAX_ROWS, FusedModel
+from backends.cpu_kernels import Linear
 from decode import generate
 from drafters import NGramDrafter, TrieDrafter
 from errors import UserError

@@ -18,8 +18,8 @@ from hypothesis import given, strategies as st
 from helpers import cheap, random_model, tiny_hf_config
 
 import calibrate
-import cpu_kernels
-from cpu_kernels import Linear, bfloat16_kernels, prepare_kernels
+from backends import cpu_kernels
+from backends.cpu_kernels import Linear, bfloat16_kernels, prepare_kernels
 
 needs_bfloat16 = pytest.mark.skipif(not bfloat16_kernels(), reason="this CPU's oneDNN has no bfloat16 kernels")
 

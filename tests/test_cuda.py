@@ -10,11 +10,11 @@ import torch
 
 from apar import ControlTokens
 from cli import main
-from cuda_graphs import GraphedModel
+from backends.cuda_graphs import GraphedModel
 from decode import generate
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, every_drafter, random_hf_weights,
                      scripted_apar, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer)
-from model import LlamaConfig, build_model, load_checkpoint
+from checkpoint import build_model, config_from_hf, load_checkpoint
 from sampling import Sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,7 +24,7 @@ CONFIG = tiny_hf_config(vocab=VOCAB, max_position_embeddings=96)
 
 
 def model_on(device):
-    return build_model(LlamaConfig.from_hf(CONFIG), random_hf_weights(CONFIG, seed=1), torch.float64, device)
+    return build_model(config_from_hf(CONFIG), random_hf_weights(CONFIG, seed=1), torch.float64, device)
 
 
 def test_every_method_gives_vanilla_greedy_tokens_on_the_gpu():

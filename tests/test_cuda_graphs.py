@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import cuda_graphs
-from cuda_graphs import STEP_BUCKETS, GraphedModel
+from backends import cuda_graphs
+from backends.cuda_graphs import STEP_BUCKETS, GraphedModel
 from decode import generate
 from helpers import cheap, every_drafter, tiny_model
 from kv_cache import KVCache

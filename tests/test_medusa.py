@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import artifacts
+from backends.cpu_kernels import Linear
 import medusa
 from decode import generate
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
@@ -79,6 +80,8 @@ def test_the_shortlist_takes_the_lm_heads_measured_kernels():
     measured fastest for the LM head's few rows (not the default, which on a CPU where another kernel
     won took twice as long for the heads' rows)."""
     model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    model.lm_head.__class__ = Linear  # as the fused and compiled backends give it (cpu_kernels.use_kernels)
     model.lm_head.picks = {1: "numba", 2: "F.linear", 3: "mv"}  # as prepare_kernels may set them
     head = medusa.shortlist_head(model.lm_head, VOCAB // 2)
     assert [head.kernel(torch.device("cpu"), torch.float32, rows) for rows in (1, 2, 3)] == ["numba", "F.linear", "mv"]
+    assert torch.equal(head.weight, model.lm_head.weight[:VOCAB // 2]) and model.lm_head.out_features == VOCAB

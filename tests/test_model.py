@@ -8,7 +8,9 @@ from hypothesis import given, strategies as st
 from helpers import full_logits, tiny_model, tiny_hf_config, transformers_logits, write_checkpoint
 from decode import generate
 from kv_cache import KVCache
-from model import causal_mask, load_checkpoint
+from checkpoint import load_checkpoint
+from drafters import logits_after
+from model import causal_mask, grouped_attention, rms_norm, sdpa_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +79,7 @@ def test_one_new_input_without_a_mask_sees_the_whole_cache(seed, cached):
         cache = KVCache.for_model(model, cached + 1)
         with torch.inference_mode():
             if cached:
-                model.logits_after(tokens[:cached].tolist(), cache)
+                logits_after(model, tokens[:cached].tolist(), cache)
             slots = cache.claim(1)
             out[masked] = model(tokens[None, cached:], positions=torch.tensor([cached]), cache=cache, slots=slots,
                                 mask=causal_mask(cached, 1, "cpu") if masked else None)[0]
@@ -99,3 +101,31 @@ def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, defau
     model = load_checkpoint(default_model_dir, torch.bfloat16)
     drafter = medusa.load_drafter(model, shipped_artifact("medusa", default_model_dir), 6)  # not refused
     assert drafter.predicted_tokens_per_pass > 1
+
+
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 2), new=st.integers(1, 5), cached=st.integers(0, 6),
+       mask_kind=st.sampled_from(["none", "shared", "per sequence"]))
+def test_the_written_attention_and_torchs_fused_one_agree(seed, batch, new, cached, mask_kind):
+    """grouped_attention (the formula, what the course grades) and sdpa_attention (torch's fused kernel,
+    which the compiled and CUDA-graphs backends turn on) compute the same attention, for any mask."""
+    generator = torch.Generator().manual_seed(seed)
+    H, K, E, S = 6, 2, 8, cached + new
+    q = torch.randn(batch, H, new, E, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(batch, K, S, E, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = {"none": None, "shared": causal_mask(cached, new, "cpu"),
+            "per sequence": torch.rand(batch, new, S, generator=generator) < 0.6}[mask_kind]
+    if mask is not None:
+        mask[..., cached:] |= torch.eye(new, dtype=torch.bool)  # every input sees itself
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), sdpa_attention(q, k, v, mask), rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_sums_a_16_bit_input_in_float32():
+    """In bfloat16 the mean of squares is taken in float32 and the normalised x rounded once: the same
+    as normalising the float32 copy; summed in bfloat16 itself it lands elsewhere (and changes tokens)."""
+    x = (torch.randn(4, 576, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    weight = (torch.rand(576, generator=torch.Generator().manual_seed(1)) + 0.5).bfloat16()
+
+    def normalised(x):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-5)
+    assert torch.equal(rms_norm(x, weight, 1e-5), normalised(x.float()).bfloat16() * weight)
+    assert not torch.equal(normalised(x.float()).bfloat16() * weight, normalised(x) * weight)

@@ -20,10 +20,11 @@ from combined import CombinedDrafter, SoftTokensOnRoot
 from cost_aware import CostAware, Costs
 from latency import Latency
 from decode import generate
-from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+import drafters
+from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers, logits_after
 from recycling import RecyclingDrafter
 from medusa import MedusaDrafter, MedusaHeads
-from model import LlamaConfig, build_model
+from checkpoint import build_model, config_from_hf
 from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling, target_probs
 
@@ -55,7 +56,7 @@ def other_draft():
     noise = torch.Generator().manual_seed(1)
     weights = {name: w + 0.2 * w.std() * torch.randn(w.shape, generator=noise, dtype=w.dtype)
                for name, w in weights.items()}
-    return build_model(LlamaConfig.from_hf(CONFIG), weights, torch.float64)
+    return build_model(config_from_hf(CONFIG), weights, torch.float64)
 
 
 def exact_joint(model, prompt, sampling, length) -> dict:
@@ -121,7 +122,7 @@ def drafters(model, other_draft):
         "anpd": lambda: NGramDrafter(n=3, k=3),
         "lookahead": lambda: TrieDrafter(decoding_length=6, branch_length=3),
         "recycling": lambda: RecyclingDrafter(model.config.vocab_size, 6),
-        "speculative-self": lambda: DraftModelDrafter(model.first_layers(1), gamma=3),
+        "speculative-self": lambda: DraftModelDrafter(first_layers(model, 1), gamma=3),
         "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
         "medusa": lambda: medusa(model),
         "ppd": lambda: ppd(model),
@@ -168,7 +169,7 @@ def small_model(seed, layers):
 def test_greedy_speculative_equals_vanilla(seed, prompt, max_new_tokens, eos_pick, gamma, draft_layers,
                                            separate_draft):
     model = small_model(seed, layers=3)
-    draft = small_model(seed + 10, draft_layers) if separate_draft else model.first_layers(draft_layers)
+    draft = small_model(seed + 10, draft_layers) if separate_draft else first_layers(model, draft_layers)
     free_run = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set()).token_ids
     eos_ids = {free_run[eos_pick]} if 0 <= eos_pick < len(free_run) else set()
     vanilla = generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
@@ -190,15 +191,17 @@ def test_a_self_draft_reading_the_loops_cache_guesses_as_with_its_own(seed, prom
     sampling = Sampling(temperature=temperature)
     proposals, read = {}, {}
     for shares in (True, False):
-        draft = model.first_layers(draft_layers)
+        draft = first_layers(model, draft_layers)
         draft.early_exit = shares  # (an early exit that is not told so keeps a cache of its own)
-        tokens_read = []
-        logits_after = draft.logits_after
-        draft.logits_after = lambda tokens, cache: tokens_read.append(len(tokens)) or logits_after(tokens, cache)
-        trees = []
-        generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set(), sampling=sampling,
-                 drafter=DraftModelDrafter(draft, gamma), generator=torch.Generator().manual_seed(seed),
-                 on_pass=lambda done: trees.append((done.tree.tokens, done.tree.draft_probs)))
+        tokens_read, trees = [], []
+        drafters.logits_after = lambda model, tokens, cache: tokens_read.append(len(tokens)) or logits_after(
+            model, tokens, cache)  # a draft step, counted
+        try:
+            generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set(), sampling=sampling,
+                     drafter=DraftModelDrafter(draft, gamma), generator=torch.Generator().manual_seed(seed),
+                     on_pass=lambda done: trees.append((done.tree.tokens, done.tree.draft_probs)))
+        finally:
+            drafters.logits_after = logits_after
         proposals[shares], read[shares] = trees, tokens_read
     assert [tokens for tokens, _ in proposals[True]] == [tokens for tokens, _ in proposals[False]]
     for (_, shared_q), (_, own_q) in zip(proposals[True], proposals[False]):
@@ -224,6 +227,6 @@ def test_default_model_greedy_speculative_equals_vanilla(default_model, default_
     kwargs = dict(max_new_tokens=40, eos_ids=default_tokenizer.eos_ids)
     vanilla = generate(default_model, prompt, **kwargs)
     for layers, gamma in [(4, 4), (12, 2)]:
-        gen = generate(default_model, prompt, drafter=DraftModelDrafter(default_model.first_layers(layers), gamma),
+        gen = generate(default_model, prompt, drafter=DraftModelDrafter(first_layers(default_model, layers), gamma),
                        **kwargs)
         assert gen.token_ids == vanilla.token_ids

@@ -29,11 +29,6 @@ NEW_TOKENS = 48
 # cuts decide by the ratios of L(n), and a drafter's own time (which they add, and which varies from
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
-# and the few-row kernels' times on such a machine (ms per pass through the model's linear layers, at 1
-# to 4 rows: cpu_kernels.few_row_picks; `bench.py latency` measured 1, 2 and 4, and 3 is put between),
-# given for every weight shape, so that the kernels each method runs are the same on any machine
-KERNEL_MS = {"numba": [29.0, 32.4, 36.2, 40.0], "blocked": [34.2, 45.6, 46.1, 46.6], "packed": [39.2, 39.4, 42.5, 45.5],
-             "F.linear": [49.9, 97.5, 98.1, 98.6]}
 ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
@@ -58,23 +53,11 @@ def traced(run) -> set[tuple[str, str]]:
 
 
 def trace_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
-    """Per method, the functions that building it and decoding PROMPT with it ran."""
-    import cpu_kernels
-
-    real = cpu_kernels.kernel_times
-    cpu_kernels.kernel_times = kernel_times_as_there(real)
-    try:
-        return traced_methods(model_dir)
-    finally:
-        cpu_kernels.kernel_times = real
-
-
-def traced_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
-    import cpu_kernels
-    from cpu_kernels import Linear, prepare_kernels
+    """Per method, the functions that building it and decoding PROMPT with it ran (the reference
+    backend, decode.py's default)."""
     from decode import generate
     from methods import METHODS, apar_engine, build_drafter, default_options
-    from model import load_checkpoint
+    from checkpoint import load_checkpoint
     from tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir)
@@ -84,31 +67,16 @@ def traced_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
     with torch.inference_mode():
         for name in ORDER:
             method, options = METHODS[name], default_options()
-            # as in a fresh process, whatever ran before: loading the model measures the few-row kernels,
-            # and the first product by numba's kernel starts its threads
-            cpu_kernels.FEW_ROW_PICKS.clear()
-            cpu_kernels.start_numba_threads.cache_clear()
             if method.engine:  # APAR changes the model it is given: a copy of its own
                 apar_model = load_checkpoint(model_dir, torch.float32)
                 found[name] = traced(lambda: apar_engine(options, apar_model, tokenizer).generate(
                     ids, max_new_tokens=NEW_TOKENS, eos_ids=tokenizer.eos_ids))
                 continue
             inputs = method.size.default + method.size.root if method.size else None
-            found[name] = traced(lambda: (
-                prepare_kernels(model, Linear.MAX_PACKED_ROWS if method.guesses else 1),  # as methods.load
-                generate(model, ids, max_new_tokens=NEW_TOKENS, eos_ids=tokenizer.eos_ids,
-                         drafter=build_drafter(method, options, model, tokenizer, inputs=inputs, latency=LATENCY))))
+            found[name] = traced(lambda: generate(model, ids, max_new_tokens=NEW_TOKENS, eos_ids=tokenizer.eos_ids,
+                                                  drafter=build_drafter(method, options, model, tokenizer,
+                                                                        inputs=inputs, latency=LATENCY)))
     return found
-
-
-def kernel_times_as_there(kernel_times):
-    """cpu_kernels.kernel_times that measures as on any machine, but answers KERNEL_MS: it runs the same
-    code on one layer of each weight shape (5, not all 121 of the model's: a sixth of the test's time)."""
-    def as_there(linears, rows_list, repeats, names, per_shape):
-        one_per_shape = list({tuple(m.weight.shape): m for m in linears}.values())
-        measured = kernel_times(one_per_shape, rows_list, 1, names, per_shape)
-        return {(kernel, rows, shape): KERNEL_MS[kernel][rows - 1] for kernel, rows, shape in measured}
-    return as_there
 
 
 def files_table(found: dict[str, set]) -> str:

@@ -106,7 +106,7 @@ def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path
     """--from-adapter must have held out the prompts this round holds out, and have its rank and its
     adapted projections (read from its tensors, as decoding merges them)."""
     import artifacts
-    from model import load_checkpoint
+    from checkpoint import load_checkpoint
 
     model = load_checkpoint(tiny_folder, torch.float32, torch.device("cpu"))
     if records is not None:

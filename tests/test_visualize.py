@@ -17,9 +17,9 @@ import visualize
 from helpers import tiny_artifacts
 from latency import Latency
 from decode import generate
-from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter
+from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers
 from medusa import load_drafter as load_medusa
-from model import load_checkpoint
+from checkpoint import load_checkpoint
 from ppd import load_drafter as load_ppd
 from tokenizer import Tokenizer
 from verify import verify_greedy
@@ -45,7 +45,7 @@ def tiny(tiny_folder, tmp_path_factory):
     tiny_artifacts(tiny_folder, trained)
     model = load_checkpoint(tiny_folder, torch.float32)
     tokenizer = Tokenizer(tiny_folder)
-    drafters = {"anpd": NGramDrafter(), "lookahead": TrieDrafter(), "speculative": DraftModelDrafter(model.first_layers(1)),
+    drafters = {"anpd": NGramDrafter(), "lookahead": TrieDrafter(), "speculative": DraftModelDrafter(first_layers(model, 1)),
                 "medusa": load_medusa(model, trained / "medusa", 8), "ppd": load_ppd(model, trained / "ppd", 10)}
     return model, tokenizer, drafters, trained
 

@@ -9,6 +9,7 @@ from helpers import full_logits, tiny_hf_config, transformers_logits, write_chec
 from hypothesis import given, strategies as st
 
 import adapters
+import checkpoint
 import model as model_module
 
 rms_norm = adapters.implementation("a1_llama", "rms_norm")
@@ -138,7 +139,7 @@ def test_the_model_with_your_functions_is_transformers_llama(monkeypatch, tmp_pa
     folder = write_checkpoint(tmp_path / "tiny", config, seed=3)
     sequence = torch.randint(0, config["vocab_size"], (24,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():
-        ours = full_logits(model_module.load_checkpoint(folder, torch.float64), sequence)
+        ours = full_logits(checkpoint.load_checkpoint(folder, torch.float64), sequence)
     theirs = transformers_logits(folder, sequence)
     assert torch.allclose(ours, theirs, atol=1e-4), (
         f"the tiny model with your functions inside gives other logits than transformers' Llama "

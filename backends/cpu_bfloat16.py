@@ -45,7 +45,7 @@ import numba.extending
 import numpy as np
 from numba.core import cgutils
 
-from cpu_kernels import prefetch_instruction
+from backends.cpu_kernels import prefetch_instruction
 
 # whether this CPU has the instruction (machine code with it would not run, nor compile, elsewhere)
 NATIVE = "+avx512bf16" in llvmlite.binding.get_host_cpu_features().flatten().split(",")

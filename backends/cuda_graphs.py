@@ -1,4 +1,4 @@
-"""Decoding passes replayed as CUDA graphs: the GPU path without launch overhead (`--cuda-graphs`).
+"""Decoding passes replayed as CUDA graphs: the GPU path without launch overhead (`--backend cuda-graphs`).
 
 On a GPU this model's pass is launch-bound: about 35 small kernels per layer, 30 layers, each launch
 a few microseconds of Python and driver work while the GPU itself finishes each kernel sooner, so a
@@ -45,10 +45,23 @@ STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # inputs per graphed pass: a tree of gu
 MIN_WINDOW = 256  # slots attention reads at least; windows double from here
 
 
-def require_gpu(device: torch.device) -> None:
-    """--cuda-graphs' one check, made before any work: graphs are recorded on a GPU only."""
+def check(device: torch.device, dtype: torch.dtype) -> None:
+    """The CUDA-graphs backend's one check, made before any work: graphs are recorded on a GPU only."""
     if device.type != "cuda":
-        raise UserError("--cuda-graphs records the decoding passes on a GPU: add --device cuda")
+        raise UserError("--backend cuda-graphs records the decoding passes on a GPU: add --device cuda")
+
+
+def apply(model, max_rows: int) -> "GraphedModel":
+    """The backend: `model`'s decoding passes recorded and replayed, attention by torch's fused kernel."""
+    use_sdpa(model)
+    return GraphedModel(model)
+
+
+def use_sdpa(model) -> None:
+    """Attention by torch's fused kernel (model.sdpa_attention) in every layer: one kernel on a GPU
+    where the written-out formula launches several."""
+    for block in model.layers:
+        block.attention.sdpa = True
 
 
 class WindowCache:
@@ -83,7 +96,7 @@ class StaticPass:
 
 class GraphedModel:
     """A Llama whose decoding passes replay CUDA graphs (see the module docstring); everything else
-    (config, embed, logits, first_layers, ...) is the wrapped model's."""
+    (config, embed, logits, ...) is the wrapped model's."""
 
     LABEL = "graphed"  # in the key of this machine's saved L(n) (calibrate.machine_key)
 

@@ -1,4 +1,4 @@
-"""Decoding passes compiled by torch.compile on a CPU (`--compile`): a step without PyTorch's dispatch.
+"""Decoding passes compiled by torch.compile on a CPU (`--backend compiled`): a step without PyTorch's dispatch.
 
 On a CPU one decoding pass of the default model spends ~18 ms reading its 538 MB of float32 weights
 (the matrix products, cpu_kernels.py) and ~8-10 ms more in about 1,800 small tensor operations (some 60
@@ -27,14 +27,25 @@ import time
 
 import torch
 
-from cuda_graphs import STEP_BUCKETS, GraphedModel, StaticPass
+from backends.cpu_kernels import use_kernels
+from backends.cuda_graphs import STEP_BUCKETS, GraphedModel, StaticPass, use_sdpa
 from errors import UserError
 
 
-def require_cpu(device: torch.device) -> None:
-    """--compile's one check, made before any work: on a GPU, CUDA graphs do this job."""
+def check(device: torch.device, dtype: torch.dtype) -> None:
+    """The compiled backend's one check, made before any work: on a GPU, CUDA graphs do this job."""
     if device.type != "cpu":
-        raise UserError("--compile compiles the decoding passes for a CPU; on a GPU use --cuda-graphs")
+        raise UserError("--backend compiled compiles the decoding passes for a CPU; on a GPU use --backend cuda-graphs")
+
+
+def apply(model, max_rows: int) -> "CompiledModel":
+    """The backend: `model`'s decoding passes compiled, calling cpu_kernels.py's kernels for the products
+    and torch's fused attention. TorchDynamo first drops the programs compiled for earlier models in this
+    process (bench.py's earlier --dtypes): kept, they slowed the next one."""
+    use_kernels(model, max_rows)
+    use_sdpa(model)
+    torch._dynamo.reset()
+    return CompiledModel(model)
 
 
 class OutOfPlaceWindow:

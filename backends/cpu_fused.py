@@ -1,4 +1,4 @@
-"""Each decoding pass as one loop compiled by numba, on a CPU (`--fused`): the pass without PyTorch's
+"""Each decoding pass as one loop compiled by numba, on a CPU (`--backend fused`): the pass without PyTorch's
 dispatch, and every input row computed alike, whatever else shares its pass.
 
 A float32 decoding pass of the default model reads its 538 MB of weights once (the matrix products,
@@ -57,9 +57,9 @@ import numba.extending
 import numpy as np
 import torch
 
-import cpu_bfloat16
-import cpu_kernels
-from cpu_kernels import bfloat16_words, dot_rows, numba_threads_as_torch, pairs_sum_as_rows_alone
+from backends import cpu_bfloat16
+from backends import cpu_kernels
+from backends.cpu_kernels import bfloat16_words, dot_rows, numba_threads_as_torch, pairs_sum_as_rows_alone, use_kernels
 from errors import UserError
 from kv_cache import KVCache
 
@@ -68,12 +68,19 @@ MAX_ROWS = 64  # inputs per fused pass at most: trees of guesses; a longer pass 
 WEIGHTS = {torch.float32: torch.Tensor.numpy, torch.bfloat16: bfloat16_words}
 
 
-def require_cpu_weights(device: torch.device, dtype: torch.dtype) -> None:
-    """--fused's one check, made before any work."""
+def check(device: torch.device, dtype: torch.dtype) -> None:
+    """The fused backend's one check, made before any work."""
     if device.type != "cpu":
-        raise UserError("--fused compiles the decoding passes for a CPU; on a GPU use --cuda-graphs")
+        raise UserError("--backend fused compiles the decoding passes for a CPU; on a GPU use --backend cuda-graphs")
     if dtype not in WEIGHTS:
-        raise UserError("--fused reads float32 or bfloat16 weights; add --dtype float32 or --dtype bfloat16")
+        raise UserError("--backend fused reads float32 or bfloat16 weights; add --dtype float32 or --dtype bfloat16")
+
+
+def apply(model, max_rows: int) -> "FusedModel":
+    """The backend: `model`'s decoding passes fused; the passes it leaves to model.py (a long prompt's
+    prefill) and the Medusa heads cut from its LM head take cpu_kernels.py's few-row kernels."""
+    use_kernels(model, max_rows)
+    return FusedModel(model)
 
 
 def products(weight, x, out, pairs):
@@ -237,7 +244,7 @@ def compiled_on_disk() -> bool:
 
 class FusedModel:
     """A Llama whose decoding passes run as `layers_pass` (see the module docstring), and whose logits
-    come from the same product loop; everything else (config, embed, first_layers, ...) is the wrapped
+    come from the same product loop; everything else (config, embed, ...) is the wrapped
     model's."""
 
     def __init__(self, model):
@@ -260,13 +267,13 @@ class FusedModel:
                                                           block.mlp.w_gate_up.weight, block.mlp.w_down.weight)]
         odd = sorted({m.shape[1] for m in matrices if m.shape[1] % 2})
         if model.dtype == torch.bfloat16 and odd:
-            raise UserError(f"--fused stores bfloat16 weights two to a word, and this model has matrices {odd[0]} "
+            raise UserError(f"--backend fused stores bfloat16 weights two to a word, and this model has matrices {odd[0]} "
                             "columns wide (odd); add --dtype float32")
         self.matrix_arrays = numba.typed.List(map(layout, matrices))
         self.lm_head_array = layout(model.lm_head.weight)
         self.inv_freq_array = model.inv_freq.to(torch.float32).numpy()
         if not layers_pass.signatures and not compiled_on_disk():
-            print("--fused: numba compiles the pass's loops, once (about 20 s on 2 cores; then kept on disk)",
+            print("--backend fused: numba compiles the pass's loops, once (about 20 s on 2 cores; then kept on disk)",
                   file=sys.stderr, flush=True)
         # rows two at a time in the products only where that sums each row as it is summed alone
         self.pairs = pairs_sum_as_rows_alone([m.shape[1] for m in [*matrices, model.lm_head.weight]], layout)

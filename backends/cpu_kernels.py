@@ -34,7 +34,7 @@ head, in a step's order, so they stream from RAM as in a real step); docs/consta
   which also sums in float32, can beat it: on 2 Intel Xeon cores with AMX, 20.2 ms a pass against
   23.1. So 1 row is measured as in float32, between the two (a plain-decoding model then takes F.linear
   for its prefill, as in float32, and keeps oneDNN's copies only where it picked them).
-Fused passes (`--fused`, cpu_fused.py) call `dot_rows` directly, on float32 weights or on bfloat16
+Fused passes (`--backend fused`, cpu_fused.py) call `dot_rows` directly, on float32 weights or on bfloat16
 ones stored two to a 32-bit word (`bfloat16_words`), widened to float32 by a shift: no bfloat16
 instruction is needed, and the products of a 1-row pass took 11.6 ms on 2 Intel Xeon cores against
 float32's 22.3 (reading the words once: 11.4). On a CPU with AVX512-BF16 they multiply the words by that
@@ -42,7 +42,7 @@ instruction instead (cpu_bfloat16.py, each input rounded to bfloat16). `dot_rows
 ahead of its loop (float32 passes over 2 and 4 inputs 6-10% cheaper; docs/results.md, "bfloat16's own
 instruction").
 Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
-Compiled (`--compile`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
+Compiled (`--backend compiled`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
 as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
 and numba's as `numba_linear` (opaque operations: the compiler can trace neither oneDNN's re-laid-out
 weights nor numba's machine code); in bfloat16 it is given F.linear, which the compiler itself lays
@@ -446,6 +446,15 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
             drop_packed_copy(module.weight)
 
 
+def use_kernels(model, max_rows: int) -> None:
+    """Give every nn.Linear of `model` this module's `Linear` (the same weights, the same y = x W^T, in
+    place), and prepare its kernels for passes of up to `max_rows` rows (prepare_kernels)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear
+    prepare_kernels(model, max_rows)
+
+
 def candidates(dtype) -> list[str]:
     """The kernels `few_row_picks` times for a model of this dtype on this CPU (none: nothing to pick)."""
     if dtype == torch.float32:
@@ -515,16 +524,6 @@ def describe_choice(linears: list[Linear], rows_list) -> str:
         return " or ".join(sorted({"measured" if rows <= m.measured_rows
                                    else m.kernel(m.weight.device, m.weight.dtype, rows) for m in linears}))
     return " ".join(map(label, rows_list)) + " among " + " ".join(candidates(linears[0].weight.dtype))
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
