@@ -62,6 +62,10 @@ def rms_norm_eps_outside_the_root(x, weight, eps):  # x / (sqrt(mean(x^2)) + eps
     return weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)
 
 
+def rms_norm_in_the_inputs_dtype(x, weight, eps):  # no float32 upcast: bfloat16 sums in bfloat16
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 # ---- a2: the KV cache ------------------------------------------------------------------------------
 
 class KeepWithoutPacking(kv_cache.KVCache):
@@ -368,6 +372,7 @@ MISTAKES = {
     "a1/rms-by-the-sum": Mistake("a1_llama", "rms_norm", rms_norm_by_the_sum, "x / sqrt(mean(x^2) + eps)"),
     "a1/eps-outside-the-root": Mistake("a1_llama", "rms_norm", rms_norm_eps_outside_the_root,
                                        "x / sqrt(mean(x^2) + eps)"),
+    "a1/norm-in-bfloat16": Mistake("a1_llama", "rms_norm", rms_norm_in_the_inputs_dtype, "in at least float32"),
     "a1/rope-first-row-positions": Mistake("a1_llama", "rotary_cos_sin", rotary_cos_sin_of_the_first_row,
                                            "must turn by its own positions"),
     "a1/gqa-first-mask": Mistake("a1_llama", "grouped_attention", grouped_attention_with_the_first_mask,

@@ -25,7 +25,8 @@ def grouped_attention(q, k, v, mask):
     """softmax(q k^T / sqrt(E) + mask) v, with G = H/K consecutive query heads per K/V head (Ainslie
     et al. 2023), where the mask adds -inf wherever attention is not allowed.
 
-    q: [B, H, T, E]; k, v: [B, K, S, E]; mask: [T, S] or [B, T, S], True where attention is allowed,
-    or None: allowed everywhere (a plain decoding step's one token, which sees the whole cache).
+    q: [B, H, T, E]; k, v: [B, K, S, E]; mask: [T, S] (shared by the batch) or [B, T, S] (each sequence
+    its own, APAR's threads), True where attention is allowed, or None: allowed everywhere (a plain
+    decoding step's one token, which sees the whole cache).
     """
     raise NotImplementedError("a1_llama: implement grouped_attention")

@@ -33,6 +33,22 @@ def test_rms_norm_divides_by_the_root_mean_square(seed, scale):
         f"that is {expected[0].tolist()}, not {got[0].tolist()}")
 
 
+def test_rms_norm_of_bfloat16_sums_in_float32_and_rounds_once():
+    """bfloat16 keeps 8 bits of mantissa: summed in it, the mean of squares loses the small variance.
+    Your norm of a bfloat16 x must equal the float32 norm of the same values, rounded to bfloat16 once,
+    then times the weight."""
+    x = (randn(4, 64, seed=0) * 3).bfloat16()
+    weight = (randn(64, seed=1).abs() + 0.5).bfloat16()
+    wide = x.float()
+    expected = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * weight
+    got = rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16, f"rms_norm returns x's dtype (bfloat16), not {got.dtype}"
+    assert torch.equal(got, expected), (
+        "for a bfloat16 x, compute x / sqrt(mean(x^2) + eps) in at least float32 (at_least_float32) and round "
+        f"to x's dtype once, then multiply by the weight: row 0 starts {expected[0, :4].tolist()}, "
+        f"not {got[0, :4].tolist()}")
+
+
 def rotated(x, positions, inv_freq):
     """Naive RoPE in Llama's rotate-half layout: the pair (x_i, x_{i+E/2}) turns by position * theta_i."""
     out, half = x.clone(), x.shape[-1] // 2
