@@ -8,12 +8,13 @@ prompt yields the first new token, the *root*. Then, until an end-of-sequence to
 or the context limit:
 
     tree    = drafter.propose()                   # 1. propose: guessed continuations of the root (tree.py)
+    start   = cache.length
     hidden  = model(tree's inputs,                # 2. score: ONE forward pass over every guess, each
                     positions = cache length + depth,  #  seeing the cache and its own ancestors
                     mask = cache + ancestors)
     verdict = verify(tree, logits)                # 3. verify: the accepted path + a bonus token, greedy
                                                   #    or exact speculative sampling (verify.py)
-    cache.keep(verdict.path)                      # 4. keep: K/V of the accepted nodes only, packed
+    cache.keep(start, verdict.path)               # 4. keep: K/V of the accepted nodes only, packed
     emitted = answer.emit(verdict)                # 5. emit: append, stopping exactly where vanilla would
     counts.add_pass(guesses proposed, kept, ...)  #    and count the pass
     drafter.after_pass(done)                      # 6. learn: n-grams and tries take the new tokens,

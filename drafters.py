@@ -309,11 +309,9 @@ class DraftModelDrafter(Drafter):
 
     DEFAULT_GAMMA = 4  # Chen et al. 2023 draft K = 4 tokens per step (Leviathan et al. try 3-10)
     MAX_GAMMA = 64
-    # what the built-in self-draft (the model's first 4 of 30 layers and its LM head, untrained) gets
-    # right: `bench.py acceptance --methods speculative-fixed`, 36 held-out prompts, 2904 judged
-    # guesses. Its cost-aware prior: with 1/2 it drafted its first passes into certain misses
-    # before the verdicts taught it better (8 held-out chat and translation prompts, one run: 0.95x
-    # of vanilla's speed, 0.97x with this; docs/results.md)
+    # how often the built-in self-draft (the first 4 of 30 layers, untrained) is right on held-out prompts
+    # (`bench.py acceptance --methods speculative-fixed`): cost-aware drafting's prior, so that its first
+    # passes are not drafted into near-certain misses before its verdicts arrive
     SELF_DRAFT_ALPHA = 0.045
     UNKNOWN_DRAFT_ALPHA = 0.5  # any other draft's, until its verdicts say more
 

@@ -1,55 +1,22 @@
-"""Matrix-vector kernels for decoding on a CPU: `Linear`, a drop-in `nn.Linear` that model.py uses.
+"""Matrix-vector kernels for decoding on a CPU: `Linear`, an `nn.Linear` with faster kernels for a few
+rows, which the fused and compiled backends put in place of model.py's layers (`use_kernels`), and
+`dot_rows`, the product loop of the fused passes (cpu_fused.py).
 
-Decoding multiplies a handful of token vectors by each weight matrix, so a step should cost about
-as much as reading the weights once, whatever the handful: it is bound by memory, and bfloat16
-weights, half the bytes, should take about half the time. PyTorch's stock CPU kernels do not always
-manage it, and which kernel does depends on the CPU. `python bench.py latency --dtypes float32 bfloat16`
-measures the candidates on the default model's matrices (`kernel_times`: 30 layers' four and the LM
-head, in a step's order, so they stream from RAM as in a real step); docs/constants.md has the tables:
-- float32, 1-`MEASURED_ROWS` rows (plain decoding, a single guess, the small trees cost-aware
-  drafting sends most): the CPUs measured so far disagree by up to 2.5x, and one matrix shape's best
-  kernel is not another's, so `prepare_kernels` measures the candidates on each CPU, once per process,
-  and gives each layer the fastest for its weight's shape per row count (`few_row_picks`). The
-  candidates: F.linear (MKL's GEMM or GEMV); W split into blocks of `BLOCK_ROWS` rows (a free view)
-  multiplied by x in one `torch.bmm` (`blocked_matmul`, each block kept in cache); oneDNN's GEMM on a
-  re-laid-out copy of W (below); and `dot_rows`, three loops compiled by numba, which reads each row of
-  W once for all of x's rows. On 2 AMD EPYC cores (AVX2) numba's won at 1-4 rows: a pass's products
-  took 29.0-32.4 ms at 1 row (the bmm 34.2-36.0, oneDNN's 39.2-41.5, F.linear 49.9-56.2; summing the
-  weights, the memory's limit for torch, 26.4-27.8), 32.4-33.8 at 2 (oneDNN's 39.4-43.5) and 40.0-43.0
-  at 4 (45.5-50.8): none of torch's own kernels reads W at the memory's pace for a handful of rows, and
-  MKL's and oneDNN's pay for packing x to multiply so few. On 2 Intel Xeon cores with AMX (before
-  numba's was a candidate), F.linear won for the layers at 1-3 rows (20.7 ms, the memory's limit) and
-  oneDNN for the LM head (5.0 ms against F.linear's 6.6), the bmm took 2.5x;
-- float32, `MEASURED_ROWS`+1 to `MAX_PACKED_ROWS` rows (larger trees of guesses), and any rows before
-  a measurement: oneDNN's GEMM on a copy of W re-laid out once for it (`mkldnn._reorder_linear_weight`;
-  made by `prepare_kernels` or on first use), the fastest there on every CPU measured (8 rows on the
-  EPYC: 54.2-59.4 ms against numba's 54.8-60.2 and F.linear's 95-105). It costs a second copy of the
-  weights, which a model that only decodes plainly keeps only for the layers whose 1-row pick it is
-  (its prefill takes F.linear);
-- bfloat16, 1-`MAX_PACKED_ROWS` rows, on a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16,
-  AMX): the same re-laid-out oneDNN GEMM. F.linear and bmm in bfloat16 convert to float32 element
-  by element and run 1.3-2.5x slower than float32; oneDNN's kernel multiplies bfloat16 natively
-  (float32 accumulation) and costs about the same for 1 row as for 8. It won on every CPU measured,
-  but each call costs ~20 us whatever the matrix (2.4 ms of a step's 121), and at 1 row `torch.mv`,
-  which also sums in float32, can beat it: on 2 Intel Xeon cores with AMX, 20.2 ms a pass against
-  23.1. So 1 row is measured as in float32, between the two (a plain-decoding model then takes F.linear
-  for its prefill, as in float32, and keeps oneDNN's copies only where it picked them).
-Fused passes (`--backend fused`, cpu_fused.py) call `dot_rows` directly, on float32 weights or on bfloat16
-ones stored two to a 32-bit word (`bfloat16_words`), widened to float32 by a shift: no bfloat16
-instruction is needed, and the products of a 1-row pass took 11.6 ms on 2 Intel Xeon cores against
-float32's 22.3 (reading the words once: 11.4). On a CPU with AVX512-BF16 they multiply the words by that
-instruction instead (cpu_bfloat16.py, each input rounded to bfloat16). `dot_rows` prefetches W's rows
-ahead of its loop (float32 passes over 2 and 4 inputs 6-10% cheaper; docs/results.md, "bfloat16's own
-instruction").
-Prefill, other dtypes, GPUs, CPUs without oneDNN and inputs that need gradients use F.linear.
-Compiled (`--backend compiled`, cpu_compiled.py), the same choices hold, but that torch.compile sees each kernel
-as one operation it calls: the blocked bmm as it is, the re-laid-out float32 product as `packed_linear`
-and numba's as `numba_linear` (opaque operations: the compiler can trace neither oneDNN's re-laid-out
-weights nor numba's machine code); in bfloat16 it is given F.linear, which the compiler itself lays
-out for the same oneDNN kernel. In
-float32 the result is the same computation either way (only its speed differs); in bfloat16 every
-kernel accumulates in float32 and rounds the output to bfloat16, so results agree to bfloat16's
-rounding (tests/test_cpu_kernels.py).
+Decoding multiplies a handful of token vectors by each weight matrix, so a step should cost about as
+much as reading the weights once: it is bound by memory. PyTorch's stock CPU kernels do not always
+manage that for a few rows, and which kernel does depends on the CPU, so `prepare_kernels` times the
+candidates once per process on the model's own matrices and gives each layer the fastest per row count
+(`few_row_picks`): F.linear (MKL), W in blocks of `BLOCK_ROWS` rows multiplied in one `torch.bmm`,
+oneDNN's GEMM on a re-laid-out copy of W, and `dot_rows` (numba), which reads each row of W once for all
+of x's rows. More rows (larger trees) take oneDNN's GEMM; the prefill, other dtypes, GPUs and inputs
+that need gradients take F.linear. bfloat16 uses oneDNN's native kernel where the CPU has one.
+
+`dot_rows` also reads bfloat16 weights stored two to a 32-bit word (`bfloat16_words`), widened to float32
+by a shift, so no bfloat16 instruction is needed (cpu_bfloat16.py uses AVX512-BF16's where there is one).
+Under torch.compile each kernel is one opaque operation (`packed_linear`, `numba_linear`). In float32
+every kernel computes the same products, summed in another order; in bfloat16 every kernel accumulates
+in float32 and rounds the output (tests/test_cpu_kernels.py). The measurements behind these choices are
+in docs/constants.md; `python bench.py latency --backend fused` prints them for this machine.
 """
 
 import functools

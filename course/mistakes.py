@@ -152,6 +152,12 @@ def generate_telling_the_drafter_the_new_tokens_only(*args, **kwargs):  # max_le
         return decode.generate(*args, **kwargs)
 
 
+def generate_recording_no_seconds(*args, **kwargs):  # the drafter is told of a pass, but not what it cost
+    record = decode.Pass
+    with mock.patch.object(decode, "Pass", lambda *fields, seconds=0.0, **named: record(*fields, **named)):
+        return decode.generate(*args, **kwargs)
+
+
 # ---- a5: ANPD's multi-level n-grams --------------------------------------------------------------
 
 class ShortestContextFirst(drafters.MultiLevelNGram):
@@ -398,6 +404,8 @@ MISTAKES = {
     "a4/max-length-without-the-prompt": Mistake("a4_greedy_loop", "generate",
                                                 generate_telling_the_drafter_the_new_tokens_only,
                                                 "the text may grow to"),
+    "a4/pass-without-its-seconds": Mistake("a4_greedy_loop", "generate", generate_recording_no_seconds,
+                                           "Pass.seconds is the pass's measured time"),
     "a5/shortest-context": Mistake("a5_ngrams", "MultiLevelNGram", ShortestContextFirst,
                                    "the longest context seen before"),
     "a5/first-seen-wins-ties": Mistake("a5_ngrams", "MultiLevelNGram", FirstSeenWinsTies,

@@ -20,7 +20,7 @@ from combined import CombinedDrafter, SoftTokensOnRoot
 from cost_aware import CostAware, Costs
 from latency import Latency
 from decode import generate
-import drafters
+import drafters as drafters_module
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers, logits_after
 from recycling import RecyclingDrafter
 from medusa import MedusaDrafter, MedusaHeads
@@ -194,14 +194,14 @@ def test_a_self_draft_reading_the_loops_cache_guesses_as_with_its_own(seed, prom
         draft = first_layers(model, draft_layers)
         draft.early_exit = shares  # (an early exit that is not told so keeps a cache of its own)
         tokens_read, trees = [], []
-        drafters.logits_after = lambda model, tokens, cache: tokens_read.append(len(tokens)) or logits_after(
+        drafters_module.logits_after = lambda model, tokens, cache: tokens_read.append(len(tokens)) or logits_after(
             model, tokens, cache)  # a draft step, counted
         try:
             generate(model, prompt, max_new_tokens=max_new_tokens, eos_ids=set(), sampling=sampling,
                      drafter=DraftModelDrafter(draft, gamma), generator=torch.Generator().manual_seed(seed),
                      on_pass=lambda done: trees.append((done.tree.tokens, done.tree.draft_probs)))
         finally:
-            drafters.logits_after = logits_after
+            drafters_module.logits_after = logits_after
         proposals[shares], read[shares] = trees, tokens_read
     assert [tokens for tokens, _ in proposals[True]] == [tokens for tokens, _ in proposals[False]]
     for (_, shared_q), (_, own_q) in zip(proposals[True], proposals[False]):

@@ -11,6 +11,7 @@ from helpers import (VOCAB_OF_TREES, RandomGuesses, WrongBranchFirst, assert_dec
 from hypothesis import given, strategies as st
 
 import adapters
+import verify
 from drafters import Drafter
 from sampling import Sampling
 
@@ -56,7 +57,9 @@ def test_the_longest_path_goes_as_deep_as_right_guesses_go(tree, data):
     assert len(path) - 1 == deepest, f"{where}: there is a deeper path of right guesses ({deepest} deep) than {path}"
 
 
-def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter():
+def test_your_loop_gives_vanilla_greedy_tokens_with_every_drafter(monkeypatch):
+    for name in ("verify_greedy", "longest_path"):  # the loop verifies with your verification too
+        adapters.install(monkeypatch, "a4_greedy_loop", name, verify)
     for seed, prompt in [(0, [1, 2, 3, 1, 2, 3, 1, 2]), (1, [5, 4, 5, 4, 5, 4]), (3, [9, 9, 2, 9, 9, 2])]:
         model = tiny_model(seed)
         vanilla = naive_greedy(model, prompt, 24)
@@ -105,3 +108,32 @@ def test_your_loop_tells_the_drafter_how_long_the_text_may_grow():
             f"a prompt of {len(prompt)} tokens, max_new_tokens={max_new_tokens}, a context of "
             f"{model.config.max_positions}: the drafter's Request must say the text may grow to {longest} tokens "
             f"(the prompt and the new tokens, within the context), not {drafter.request.max_length}")
+
+
+def test_your_loop_records_each_pass_as_it_happened():
+    """What the loop hands the drafter after a pass (a Pass) is what that pass did: its tree, where its
+    inputs went in the cache, the accepted path, the tokens emitted, the hidden states and logits of its
+    inputs, and its seconds, which cost-aware drafting reads as a measurement of L(n)."""
+    model, prompt = tiny_model(0), [1, 2, 3, 1, 2, 3, 1, 2]
+    passes, drafter = [], RandomGuesses(naive_greedy(model, prompt, 24), model.config.vocab_size, 0, nodes=5)
+    gen = generate(model, prompt, max_new_tokens=24, eos_ids=set(), drafter=drafter, on_pass=passes.append)
+    length = len(prompt)  # what the cache holds before each pass: the prompt, then every accepted token
+    for index, done in enumerate(passes):
+        where = f"pass {index + 1} after the prefill (tree tokens {done.tree.tokens}, parents {done.tree.parents})"
+        assert done.cache_length == length, (
+            f"{where}: Pass.cache_length is what the cache held before it, {length}, not {done.cache_length}")
+        assert done.path[0] == 0 and all(done.tree.parents[b] == a for a, b in zip(done.path, done.path[1:])), (
+            f"{where}: Pass.path {done.path} must be the accepted root-to-node path (the verdict's)")
+        assert tuple(done.hidden.shape) == (done.tree.input_count, model.config.hidden_size), (
+            f"{where}: Pass.hidden holds the pass's final hidden states, one row per input: "
+            f"{(done.tree.input_count, model.config.hidden_size)}, not {tuple(done.hidden.shape)}")
+        assert done.logits.shape[0] == done.tree.input_count - done.logits_start, (
+            f"{where}: Pass.logits holds the logits of the inputs from logits_start on")
+        assert done.emitted == gen.token_ids[length - len(prompt) + 1:][:len(done.emitted)] and done.emitted, (
+            f"{where}: Pass.emitted is the tokens this pass added to the answer")
+        assert done.seconds > 0, f"{where}: Pass.seconds is the pass's measured time (the meter's 'forward')"
+        length += len(done.path)
+    assert gen.prefill_seconds > 0 and gen.forward_seconds > 0 and gen.draft_seconds > 0, (
+        "time the loop's parts as the reference does (Meter): the prefill, the forward passes after it, and "
+        f"the drafter's proposing and learning; yours: {gen.prefill_seconds}, {gen.forward_seconds}, {gen.draft_seconds}")
+    assert gen.decode_seconds >= gen.prefill_seconds + gen.forward_seconds, "decode_seconds is the whole generation"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 from helpers import accuracy_tables, all_paths
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import adapters
 
@@ -38,6 +38,7 @@ def test_the_expected_accepted_guesses_sum_over_the_nodes(accuracy, data):
 
 
 @given(accuracy_tables, st.integers(0, 5), st.none() | st.integers(0, 3))
+@example([[0.9, 0.1], [0.9, 0.1]], 2, 1)  # at the depth limit: a deep guess would be the better one
 def test_your_tree_is_the_best_tree_of_its_size(accuracy, size, max_depth):
     spec = [tuple(p) for p in best_sparse_tree(accuracy, size, max_depth)]
     depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
