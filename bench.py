@@ -85,30 +85,30 @@ from pathlib import Path
 import errors  # noqa: F401 (imported before torch, so that Ctrl-C while torch loads is one line too)
 import torch
 
-import apar
-import bench_data
-from apar import FORK_BIAS, MAX_FORK_BIAS
-from apar_finetune import STRUCTURED, held_out_list_prompts, repetitive, structure
-from apar_quality import answer_nll, delivered_points, perplexity, requested_points
-from artifacts import load as load_artifact, shipped_artifact
+from methods import apar
+from programs import bench_data
+from methods.apar import FORK_BIAS, MAX_FORK_BIAS
+from training.apar_finetune import STRUCTURED, held_out_list_prompts, repetitive, structure
+from methods.apar_quality import answer_nll, delivered_points, perplexity, requested_points
+from methods.artifacts import load as load_artifact, shipped_artifact
 from calibrate import LATENCY_SIZES, cpu_name, forward_latency, machine_latency
-from charts import bench_figures, machine_label, save as save_figure
-from convert import cache_root, default_model_dir, find_default_gguf
+from programs.charts import bench_figures, machine_label, save as save_figure
+from programs.convert import cache_root, default_model_dir, find_default_gguf
 import backends
 from backends.cpu_kernels import MEMORY_FLOOR, Linear, describe_picks, kernel_times
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, first_layers
 from errors import (DefaultsHelpFormatter, OneLineErrorParser, TooFewRows, UserError, integer, number as a_number,
                     run_program, writable)
-from latency import Latency
-from lists_due import list_due
-from methods import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
+from methods.latency import Latency
+from programs.lists_due import list_due
+from methods.registry import (APAR_GUESSERS, DEFAULT_DRAFT_LAYERS, DEFAULT_TREE_ROWS, MAX_LAYERS, MAX_TREE_ROWS, METHODS,
                      apar_guesser, build_drafter, default_options, freeze_loaded,
                      refuse_idle, spoken_list)
 from checkpoint import DTYPES, load_checkpoint, parse_device
-from progress import Progress
+from programs.progress import Progress
 from sampling import Sampling
-from staging import staged_file
+from programs.staging import staged_file
 from tokenizer import Tokenizer
 
 LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",

@@ -29,14 +29,14 @@ import time
 
 import torch
 
-from artifacts import model_fingerprint
-from convert import cache_root
+from methods.artifacts import model_fingerprint
+from programs.convert import cache_root
 from decode import generate, score_tree
 from errors import TooFewRows
 from kv_cache import KVCache
-from latency import Latency, OnlineLatency
-from progress import Progress
-from staging import locked, read_saved, write_saved
+from methods.latency import Latency, OnlineLatency
+from programs.progress import Progress
+from programs.staging import locked, read_saved, write_saved
 from tree import Tree
 from verify import verify_greedy
 

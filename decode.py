@@ -263,6 +263,6 @@ class Meter:
 
 if __name__ == "__main__":  # `python decode.py ...` is the command line (cli.py); importing decode never runs this
     sys.modules["decode"] = sys.modules["__main__"]  # cli imports this file's module, not a second copy of it
-    from cli import main
+    from programs.cli import main
 
     sys.exit(main())

@@ -36,25 +36,25 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import artifacts
-from apar import (ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_in,
+from methods import artifacts
+from methods.apar import (ADAPTABLE_LINEARS, ADAPTED_LINEARS, CHILD_TOKEN, FORK_TOKEN, ControlTokens, adapted_in,
                   require_tied_embeddings)
-from apar_finetune import (MIN_POINT_CHARS, STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits,
+from training.apar_finetune import (MIN_POINT_CHARS, STRUCTURED, AparAdapter, apar_evaluation, apar_examples, apar_logits,
                            apar_prompts, looks_list_style, packs, repetitive, structure, training_example)
 from calibrate import cpu_name
-from convert import cache_root, default_model_dir
+from programs.convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
-from medusa import MedusaHeads, medusa_accuracy, medusa_loss
-from methods import refuse_idle
+from methods.medusa import MedusaHeads, medusa_accuracy, medusa_loss
+from methods.registry import refuse_idle
 from checkpoint import load_checkpoint, parse_device
-from ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
-from progress import Progress
+from methods.ppd import SoftTokens, guess_hits, initial_embeddings, ppd_loss
+from programs.progress import Progress
 from sampling import Sampling
-from self_distill import (VALIDATION_EVERY, answer_positions, answer_stream, base_pass, generate_answers,
+from training.self_distill import (VALIDATION_EVERY, answer_positions, answer_stream, base_pass, generate_answers,
                           held_out_prompts, read_records, recorded_answers, sequence, sharegpt_answers, split_records,
                           training_prompts, write_records)
-from staging import staged_file
+from programs.staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
 MAX_HEADS = 7
@@ -161,7 +161,7 @@ def sharegpt_points_answers(model, tokenizer, folder: Path, prompts: list[str], 
     other prompt the model's own answers, as with structured-lists. Why: ShareGPT's replies teach lists
     where the model writes none (round two forked on 56-66% of held-out lists) but in another's words
     (1.37-1.46x vanilla's perplexity), the model's own answers the reverse; a reply kept whole or the
-    model's kept whole, per prompt, gave neither both (docs/results.md, rounds two and six). Here a
+    model's kept whole, per prompt, gave neither both (the history of docs/results.md, rounds two and six). Here a
     point's root is ShareGPT's and what the child thread writes, most of an answer, the model's."""
     lists, others = by_style(prompts)
     path = data_file(model, folder, args, "-sharegpt-points")

@@ -47,13 +47,13 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from calibrate import calibration_file
-from charts import COLOURS, FILLS, bench_figures, calibration_figure, plt, save
-from cost_aware import CostAware
+from programs.charts import COLOURS, FILLS, bench_figures, calibration_figure, plt, save
+from methods.cost_aware import CostAware
 from decode import Generation, Pass, generate
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, run_program
-from methods import METHODS, add_method_options, add_model_options, build_drafter, load, refuse_idle_options
-from prompts import Prompt, checked, prompt_ids
-from show_tree import visible
+from methods.registry import METHODS, add_method_options, add_model_options, build_drafter, load, refuse_idle_options
+from programs.prompts import Prompt, checked, prompt_ids
+from programs.show_tree import visible
 
 GUESSING_METHODS = [name for name, method in METHODS.items() if method.guesses and method.drafter]
 CHAR = 0.083  # inches per character of 10-point DejaVu Sans Mono (0.6 em)

@@ -27,7 +27,7 @@ sys.path[:0] = [str(COURSE.parent), str(COURSE)]
 
 import strip  # noqa: E402
 from assignments import ASSIGNMENTS, assignments_asked  # noqa: E402
-from convert import default_model_dir  # noqa: E402
+from programs.convert import default_model_dir  # noqa: E402
 
 HANDOUT_COMMAND = re.compile(r"`(python (?!-m pytest)[^`]+)`")
 

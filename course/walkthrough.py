@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import torch  # noqa: E402
 
-from convert import default_model_dir  # noqa: E402
+from programs.convert import default_model_dir  # noqa: E402
 from decode import Answer, prefill, score_tree  # noqa: E402
 from drafters import Pass, Request  # noqa: E402
 from kv_cache import KVCache  # noqa: E402
-from methods import METHODS, build_drafter, default_options  # noqa: E402
+from methods.registry import METHODS, build_drafter, default_options  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from sampling import Sampling  # noqa: E402
-from show_tree import draw_pass, visible  # noqa: E402
+from programs.show_tree import draw_pass, visible  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from sampling import target_probs  # noqa: E402
 from verify import Chance, verify_greedy, verify_speculative  # noqa: E402

@@ -37,7 +37,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from convert import default_model_dir as convert_once
+    from programs.convert import default_model_dir as convert_once
 
     return convert_once()
 

@@ -20,13 +20,13 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import apar  # noqa: E402
-import artifacts  # noqa: E402
+from methods import apar  # noqa: E402
+from methods import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
-from medusa import MedusaDrafter, MedusaHeads  # noqa: E402
+from methods.medusa import MedusaDrafter, MedusaHeads  # noqa: E402
 from checkpoint import build_model, config_from_hf, hf_weight_shapes, load_checkpoint  # noqa: E402
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, TrieDrafter, first_layers  # noqa: E402
-from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree  # noqa: E402
+from methods.ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree  # noqa: E402
 from tree import Tree, Verdict  # noqa: E402
 from verify import Chance, verify_speculative  # noqa: E402
 

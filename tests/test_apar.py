@@ -13,10 +13,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import apar
-from apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
-from apar_finetune import POINT, repetitive
-from cli import main
+from methods import apar
+from methods.apar import ControlTokens, Paragraph, SlotCache, generate_apar, restore
+from training.apar_finetune import POINT, repetitive
+from programs.cli import main
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import cheap, chi_square_p_value, path_to, random_model, scripted_apar, tiny_hf_config, tiny_model
 from decode import Counts

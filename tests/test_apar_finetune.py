@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-import apar_finetune
-from apar import ControlTokens
-from apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, adapted_in, apply_adapter
-from apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
+from training import apar_finetune
+from methods.apar import ControlTokens
+from methods.apar import ADAPTABLE_LINEARS, ADAPTED_LINEARS, adapted_in, apply_adapter
+from training.apar_finetune import (IGNORE, AparAdapter, apar_logits, before_the_loop, line_key, repetitive,
                            structure, training_example, word_grams)
 from helpers import cheap, random_model, scripted_apar, tiny_hf_config, tiny_model
 

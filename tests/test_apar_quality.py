@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from apar_quality import answer_nll, delivered_points, perplexity, requested_points
+from methods.apar_quality import answer_nll, delivered_points, perplexity, requested_points
 from helpers import full_logits, tiny_model
 
 

@@ -31,7 +31,7 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # (as a script)
 
 import bench  # noqa: E402
-import cli  # noqa: E402
+from programs import cli  # noqa: E402
 import train_prompt  # noqa: E402
 import visualize  # noqa: E402
 from helpers import tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer  # noqa: E402

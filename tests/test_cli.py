@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cli import main, say_if_empty, summary_line
+from programs.cli import main, say_if_empty, summary_line
 from helpers import ROOT, tiny_artifacts, write_checkpoint
 from tokenizer import Tokenizer
 

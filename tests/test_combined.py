@@ -7,15 +7,15 @@ import random
 import torch
 from hypothesis import given, strategies as st
 
-from combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
-from cost_aware import CostAware, Costs
-from latency import Latency
+from methods.combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
+from methods.cost_aware import CostAware, Costs
+from methods.latency import Latency
 from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                      tiny_model, trees)
-from methods import METHODS, build_drafter, default_options
-from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from methods.registry import METHODS, build_drafter, default_options
+from methods.ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from tree import Evidence, Tree
 
 

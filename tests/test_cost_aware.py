@@ -10,13 +10,13 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from cost_aware import AcceptanceEstimates, CostAware, Costs, best_draft_length, best_subtree, draft_could_pay, reach
+from methods.cost_aware import AcceptanceEstimates, CostAware, Costs, best_draft_length, best_subtree, draft_could_pay, reach
 from decode import generate
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, Request, TrieDrafter, first_layers
 from helpers import assert_decodes_as_naive_greedy, naive_greedy, tiny_model, trees
-from latency import Latency
-from medusa import MedusaDrafter, MedusaHeads
-from methods import METHODS, build_drafter, default_options
+from methods.latency import Latency
+from methods.medusa import MedusaDrafter, MedusaHeads
+from methods.registry import METHODS, build_drafter, default_options
 from tree import Tree
 from verify import verify_greedy
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from apar import ControlTokens
-from cli import main
+from methods.apar import ControlTokens
+from programs.cli import main
 from backends.cuda_graphs import GraphedModel
 from decode import generate
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, every_drafter, random_hf_weights,
@@ -86,7 +86,7 @@ def test_the_command_line_decodes_on_the_gpu(capsys, tmp_path):
 @pytest.mark.parametrize("method", ["anpd", "lookahead", "speculative", "medusa", "ppd"])
 def test_the_default_model_on_the_gpu_gives_vanilla_greedy_tokens(method, default_model_dir, default_tokenizer):
     """float32 on the GPU: every lossless method with its shipped parts equals vanilla on the GPU."""
-    from methods import METHODS, build_drafter, default_options
+    from methods.registry import METHODS, build_drafter, default_options
 
     model = load_checkpoint(default_model_dir, torch.float32, "cuda")
     drafter = build_drafter(METHODS[method], default_options(), model, default_tokenizer)
@@ -129,7 +129,7 @@ def test_recorded_passes_give_every_methods_vanilla_tokens_on_the_gpu():
 @pytest.mark.parametrize("method", ["vanilla", "anpd", "lookahead", "medusa", "ppd"])
 def test_the_default_model_graphed_gives_vanilla_greedy_tokens(method, default_model_dir, default_tokenizer):
     """float32 on the GPU, --cuda-graphs: each method's tokens are the plain model's vanilla tokens."""
-    from methods import METHODS, build_drafter, default_options
+    from methods.registry import METHODS, build_drafter, default_options
 
     model = load_checkpoint(default_model_dir, torch.float32, "cuda")
     graphed = GraphedModel(model)

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 from helpers import random_model, tiny_hf_config, tiny_model, vanilla_answer
 from decode import Answer, generate, prefill
 from drafters import Drafter, NGramDrafter, TrieDrafter
-from recycling import RecyclingDrafter
+from methods.recycling import RecyclingDrafter
 from errors import UserError
 from sampling import Sampling
 from kv_cache import KVCache

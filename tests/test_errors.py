@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import convert
+from programs import convert
 import errors
-from cli import main
+from programs.cli import main
 from helpers import ROOT, tiny_artifacts, tiny_hf_config, write_checkpoint, write_tiny_tokenizer
 
 NOT_UTF8 = b"caf\xe9"
@@ -225,7 +225,7 @@ def test_ctrl_c_while_importing_is_one_line():
 def test_ctrl_c_while_decoding_is_one_line(capsys, monkeypatch, world):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr("cli.generate", interrupted)
+    monkeypatch.setattr("programs.cli.generate", interrupted)
     assert main(["--model", str(world / "tiny"), "--raw", "--prompt", "hi"]) == errors.INTERRUPTED
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
 
@@ -260,7 +260,7 @@ def test_a_damaged_converted_model_is_refused_with_the_folder_to_delete(tmp_path
 
 
 def test_an_artifact_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    import artifacts
+    from methods import artifacts
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -19,11 +19,11 @@ import torch
 from hypothesis import given, strategies as st
 
 import calibrate
-from cost_aware import CostAware, Costs, reach
+from methods.cost_aware import CostAware, Costs, reach
 from decode import generate
 from drafters import NGramDrafter, Pass
 from helpers import tiny_model
-from latency import Latency, OnlineLatency
+from methods.latency import Latency, OnlineLatency
 from tree import Tree, Verdict
 
 MS = 1e-3

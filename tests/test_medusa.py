@@ -7,13 +7,13 @@ import random
 import torch
 from hypothesis import given, settings, strategies as st
 
-import artifacts
+from methods import artifacts
 from backends.cpu_kernels import Linear
-import medusa
+from methods import medusa
 from decode import generate
 from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                       self_distilled_record, tiny_model)
-from medusa import MedusaDrafter, MedusaHeads, load_drafter, medusa_accuracy, medusa_loss
+from methods.medusa import MedusaDrafter, MedusaHeads, load_drafter, medusa_accuracy, medusa_loss
 from train_prompt import answer_features
 
 VOCAB = 16

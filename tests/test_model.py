@@ -89,8 +89,8 @@ def test_one_new_input_without_a_mask_sees_the_whole_cache(seed, cached):
 def test_the_fingerprint_names_the_checkpoint_whatever_the_dtype(tmp_path, default_model_dir):
     """Trained parts check the checkpoint they were made for: loading it in bfloat16 must not make it
     "another model" (the fingerprint once hashed the rounded weights), while other weights must."""
-    import medusa
-    from artifacts import shipped_artifact
+    from methods import medusa
+    from methods.artifacts import shipped_artifact
 
     folder = write_checkpoint(tmp_path / "a", tiny_hf_config())
     other = write_checkpoint(tmp_path / "b", tiny_hf_config(), seed=1)

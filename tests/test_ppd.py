@@ -15,11 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import artifacts
+from methods import artifacts
 from helpers import (accuracy_tables, assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla,
                       random_accuracy, random_model, self_distilled_record, tiny_hf_config, tiny_model)
 from errors import UserError
-from ppd import (
+from methods.ppd import (
     PPDDrafter,
     SoftTokens,
     best_dynamic_sparse_tree,
@@ -32,10 +32,10 @@ from ppd import (
 )
 from train_prompt import ppd_record_loss
 from tree import Tree, best_sparse_tree
-from cost_aware import CostAware, Costs
+from methods.cost_aware import CostAware, Costs
 from decode import generate
 from drafters import TOP_RANKS, Pass, Request
-from latency import Latency
+from methods.latency import Latency
 
 VOCAB = 16
 

@@ -1,7 +1,7 @@
 """Progress in a log (progress.py): when stderr is not a terminal, each update is a line of its own
 (never a "\\r"-glued line), at most one per LOG_EVERY seconds, and the last one always."""
 
-import progress
+from programs import progress
 
 
 def test_in_a_log_each_update_is_its_own_line(capsys, monkeypatch):

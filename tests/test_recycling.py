@@ -5,7 +5,7 @@ output equals vanilla's is tests/test_decode.py's and tests/test_sampling_decode
 import torch
 
 from drafters import Pass, Request
-from recycling import RANK_ACCEPTANCE, TOP_K, RecyclingDrafter
+from methods.recycling import RANK_ACCEPTANCE, TOP_K, RecyclingDrafter
 from tree import Tree, Verdict
 
 VOCAB = 32

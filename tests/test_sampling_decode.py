@@ -16,16 +16,16 @@ from hypothesis import given, strategies as st
 
 import verify as verify_module
 from helpers import chi_square_p_value, random_hf_weights, tiny_hf_config, tiny_model
-from combined import CombinedDrafter, SoftTokensOnRoot
-from cost_aware import CostAware, Costs
-from latency import Latency
+from methods.combined import CombinedDrafter, SoftTokensOnRoot
+from methods.cost_aware import CostAware, Costs
+from methods.latency import Latency
 from decode import generate
 import drafters as drafters_module
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers, logits_after
-from recycling import RecyclingDrafter
-from medusa import MedusaDrafter, MedusaHeads
+from methods.recycling import RecyclingDrafter
+from methods.medusa import MedusaDrafter, MedusaHeads
 from checkpoint import build_model, config_from_hf
-from ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from methods.ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling, target_probs
 
 VOCAB = 8

@@ -11,14 +11,14 @@ from collections import Counter
 
 import torch
 
-import self_distill
+from training import self_distill
 
 from hypothesis import given, settings, strategies as st
 
 from helpers import chi_square_p_value, tiny_model
 from decode import generate
 from sampling import Sampling, target_probs
-from self_distill import (STOP_CHECK_EVERY, answer_stream, generate_answers, held_out_prompts, read_records,
+from training.self_distill import (STOP_CHECK_EVERY, answer_stream, generate_answers, held_out_prompts, read_records,
                           recorded_answers, split_records, word_ngrams)
 
 VOCAB = 16

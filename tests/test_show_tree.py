@@ -4,11 +4,11 @@ tree drawn once under its parent with the verifier's verdict, and the command li
 import torch
 from hypothesis import given, strategies as st
 
-from cli import main
+from programs.cli import main
 from helpers import VOCAB_OF_TREES, cheap, trees
 from decode import Pass
-from show_tree import ACCEPTED, REJECTED, UNREACHED, draw_pass
-from ppd import soft_layout
+from programs.show_tree import ACCEPTED, REJECTED, UNREACHED, draw_pass
+from methods.ppd import soft_layout
 from tree import Tree
 from verify import verify_greedy
 

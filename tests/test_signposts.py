@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 
-from latency import Latency  # noqa: E402
+from methods.latency import Latency  # noqa: E402
 
 README, CODE_PATHS = ROOT / "README.md", ROOT / "docs" / "code-paths.md"
 BEGIN = "<!-- files per method: traced by tests/test_signposts.py (--write rewrites this table) -->"
@@ -29,6 +29,7 @@ NEW_TOKENS = 48
 # cuts decide by the ratios of L(n), and a drafter's own time (which they add, and which varies from
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
+FOLDERS = ("backends", "methods", "training", "programs")  # ours, beside the top level's files
 ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
 
 
@@ -42,8 +43,9 @@ def traced(run) -> set[tuple[str, str]]:
             # (not numba's compiler calling an overload's Python function, which it does only where no
             # compiled copy of the kernel is on disk yet: no decoding runs it)
             caller = frame.f_back
-            if path.parent == ROOT and not (caller and "numba" in Path(caller.f_code.co_filename).parts):
-                seen.add((path.stem, frame.f_code.co_qualname))
+            if (path.parent == ROOT or path.parent.parent == ROOT and path.parent.name in FOLDERS) and not (
+                    caller and "numba" in Path(caller.f_code.co_filename).parts):
+                seen.add((path.relative_to(ROOT).with_suffix("").as_posix(), frame.f_code.co_qualname))
     sys.setprofile(profile)
     try:
         run()
@@ -56,7 +58,7 @@ def trace_methods(model_dir: Path) -> dict[str, set[tuple[str, str]]]:
     """Per method, the functions that building it and decoding PROMPT with it ran (the reference
     backend, decode.py's default)."""
     from decode import generate
-    from methods import METHODS, apar_engine, build_drafter, default_options
+    from methods.registry import METHODS, apar_engine, build_drafter, default_options
     from checkpoint import load_checkpoint
     from tokenizer import Tokenizer
 
@@ -121,10 +123,10 @@ def written_table() -> str:
 
 def test_the_files_and_functions_each_method_runs_are_as_written(default_model_dir):
     found = trace_methods(default_model_dir)
-    # plain decoding on the default (reference) backend runs the core and nothing else but methods.py,
-    # which builds its empty drafter
+    # plain decoding on the default (reference) backend runs the core and nothing else but
+    # methods/registry.py, which builds its empty drafter
     assert {module for module, _ in found["vanilla"]} <= {"decode", "model", "kv_cache", "tree", "verify", "sampling",
-                                                          "drafters", "methods"}
+                                                          "drafters", "methods/registry"}
     assert written_table() == files_table(found), (
         "README.md's files-per-method table is not what a trace finds; run python tests/test_signposts.py --write "
         "and read the diff")
@@ -133,7 +135,7 @@ def test_the_files_and_functions_each_method_runs_are_as_written(default_model_d
 
 
 if __name__ == "__main__":
-    from convert import default_model_dir
+    from programs.convert import default_model_dir
 
     if sys.argv[1:] != ["--write"]:
         sys.exit(__doc__)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import convert
-import staging
+from programs import convert
+from programs import staging
 from helpers import ROOT
 
 TESTS = ROOT / "tests"
@@ -115,7 +115,7 @@ sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import torch
 import artifacts, train_prompt
 from helpers import self_distilled_record, tiny_model
-from ppd import SoftTokens, initial_embeddings
+from methods.ppd import SoftTokens, initial_embeddings
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

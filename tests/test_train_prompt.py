@@ -6,7 +6,7 @@ import torch
 
 import train_prompt
 from helpers import self_distilled_record, tiny_model
-from ppd import SoftTokens, initial_embeddings
+from methods.ppd import SoftTokens, initial_embeddings
 
 VOCAB = 16
 
@@ -105,7 +105,7 @@ def test_an_adapter_to_continue_from_is_checked_before_any_work(capsys, tmp_path
                                                                 fragment):
     """--from-adapter must have held out the prompts this round holds out, and have its rank and its
     adapted projections (read from its tensors, as decoding merges them)."""
-    import artifacts
+    from methods import artifacts
     from checkpoint import load_checkpoint
 
     model = load_checkpoint(tiny_folder, torch.float32, torch.device("cpu"))

@@ -12,15 +12,15 @@ import torch
 from PIL import Image
 
 import bench
-import methods
+from methods import registry as methods
 import visualize
 from helpers import tiny_artifacts
-from latency import Latency
+from methods.latency import Latency
 from decode import generate
 from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers
-from medusa import load_drafter as load_medusa
+from methods.medusa import load_drafter as load_medusa
 from checkpoint import load_checkpoint
-from ppd import load_drafter as load_ppd
+from methods.ppd import load_drafter as load_ppd
 from tokenizer import Tokenizer
 from verify import verify_greedy
 
@@ -242,7 +242,7 @@ def test_a_bad_results_file_is_a_one_line_error(tmp_path, capsys, content, fragm
 
 
 def test_the_threads_figure_has_a_cell_per_verdict_green_where_guesses_were_accepted(tmp_path):
-    from apar import generate_apar
+    from methods.apar import generate_apar
     from test_apar import CONTROL, EOS, forking_model
 
     verdicts = []
