@@ -61,7 +61,7 @@ def test_a_dead_writers_entry_is_swept(tmp_path):
 KILLED_CONVERSION = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import convert, staging
+from programs import convert, staging
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -113,7 +113,8 @@ KILLED_TRAINING = """
 import argparse, os, signal, sys
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import torch
-import artifacts, train_prompt
+import train_prompt
+from methods import artifacts
 from helpers import self_distilled_record, tiny_model
 from methods.ppd import SoftTokens, initial_embeddings
 
