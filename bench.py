@@ -116,7 +116,6 @@ LATENCY_PROMPTS = ["Explain in a few sentences why the sky is blue.",
                    "Summarise the plot of Romeo and Juliet."]
 STEP_SIZES = [1, 2, 4, 8, 16, 32, 64]
 KERNEL_ROWS = [1, 2, 4, 8, 16, 64]
-KERNEL_BACKENDS = ("fused", "compiled")  # the backends that give model.py's layers cpu_kernels.Linear
 CACHED = [256, 1024]
 PEER = "transformers prompt lookup"
 LLAMA_CPP = ["llama.cpp vanilla", "llama.cpp lookup"]  # with --llama-cpp
@@ -903,7 +902,7 @@ def bench_latency(name, args, tokenizer, report):
     folder = default_model_dir()
     plain = load_checkpoint(folder, dtype, args.device)
     ours = backends.apply(plain, args.backend, MAX_TREE_ROWS)
-    if args.device.type == "cpu" and args.backend in KERNEL_BACKENDS:
+    if args.device.type == "cpu" and any(isinstance(m, Linear) for m in plain.modules()):  # (the backend's kernels)
         bench_kernels(name, plain, args, report)
     theirs = None
     if not args.skip_transformers:

@@ -265,7 +265,7 @@ class FirstLayers(KVCache):
 
     Its length is its own: `follow()` sets it to the loop's before the draft reads the root and its own
     guesses, whose K/V go to the slots after the history, the ones the model's next pass claims and
-    overwrites. The loop's cache may move its K/V to another buffer (cuda_graphs.py adopts it), so the
+    overwrites. The loop's cache may move its K/V to another buffer (backends/cuda_graphs.py adopts it), so the
     layers are looked up at every use, never held; and the cache itself is held weakly, since a drafter
     outlives its generation and the cache should not (a graphed model's buffer serves one live cache)."""
 

@@ -20,7 +20,6 @@ in docs/constants.md; `python bench.py latency --backend fused` prints them for 
 """
 
 import functools
-import platform
 import time
 import weakref
 
@@ -42,7 +41,6 @@ class Linear(nn.Linear):
     MAX_PACKED_ROWS = 64
     picks: dict[int, str] = {}  # rows -> kernel for float32: `prepare_kernels` sets each layer's own, from
     # this CPU's measurement (none yet: oneDNN's)
-    measured_rows = 0  # picks for 1 to this many rows are that measurement's; more rows take a fixed kernel
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
@@ -404,7 +402,6 @@ def prepare_kernels(model, max_rows: int = Linear.MAX_PACKED_ROWS) -> None:
         for module in linears:  # the layer's own, over the class's
             own = measured[tuple(module.weight.shape)]
             module.picks = own | {rows: more for rows in range(len(own) + 1, Linear.MAX_PACKED_ROWS + 1)}
-            module.measured_rows = len(own)
     for module in linears:
         if any(module.kernel(model.device, model.dtype, rows) == "packed"
                for rows in range(1, min(max_rows, Linear.MAX_PACKED_ROWS) + 1)):
@@ -479,18 +476,6 @@ def describe_picks(linears: list[Linear], rows_list) -> str:
     if len(set(by_shape.values())) == 1:
         return next(iter(by_shape.values()))
     return ", ".join(f"{out}x{into} {kernels}" for (out, into), kernels in by_shape.items())
-
-
-def describe_choice(linears: list[Linear], rows_list) -> str:
-    """How `linears` choose their kernel at each of `rows_list`, not what they chose: "measured" where
-    `few_row_picks` picks it, else the fixed kernel, then the candidates measured: "measured measured
-    F.linear among F.linear blocked packed". For L(n)'s machine key (calibrate.machine_key): the picks
-    themselves would change it whenever a near tie comes out the other way, which on a noisy machine
-    is from process to process."""
-    def label(rows):
-        return " or ".join(sorted({"measured" if rows <= m.measured_rows
-                                   else m.kernel(m.weight.device, m.weight.dtype, rows) for m in linears}))
-    return " ".join(map(label, rows_list)) + " among " + " ".join(candidates(linears[0].weight.dtype))
 
 
 # ---- the measurement that chose the kernels (bench.py latency prints it) --------------------------
