@@ -220,10 +220,12 @@ THIS_RUN: dict[str, OnlineLatency] = {}  # machine key -> this process's estimat
 def machine_latency(model) -> OnlineLatency:
     """L(n) on this machine, device, dtype and model, as this process knows it: one OnlineLatency per
     machine key, whose prior is the saved table (measured now if there is none) and which refreshes
-    that table as it goes."""
+    that table as it goes. The latest model asked for is the one whose passes it is shown: a backend that
+    compiles or records a pass says so (`prepared_last_pass`), and that pass is no measurement."""
     key = machine_key(model)
     if key not in THIS_RUN:
         THIS_RUN[key] = OnlineLatency(saved_or_measured(model, key), save=refresher(key))
+    THIS_RUN[key].untimed = lambda: getattr(model, "prepared_last_pass", False)
     return THIS_RUN[key]
 
 

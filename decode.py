@@ -108,7 +108,7 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[
             verdict = verify(tree, logits, sampling, generator, typical)  # 3. verify
             cache.keep(start, verdict.path)  # 4. keep: rejected guesses' and extra inputs' K/V go
         done = Pass(tree, start, verdict.path, answer.emit(verdict.tokens, verdict.accepted_guesses),  # 5. emit
-                    hidden, logits, verdict, seconds=pass_seconds(model, meter.last["forward"]))
+                    hidden, logits, verdict, seconds=meter.last["forward"])
         counts.add_pass(done.guesses_proposed, done.guesses_kept, done.rejected)
         with meter.time("draft"):
             drafter.after_pass(done)  # 6. learn
@@ -180,12 +180,6 @@ def score_tree(model, cache: KVCache, tree: Tree) -> torch.Tensor:
                                  positions=tree.input_positions(start, model.device), cache=cache, slots=slots,
                                  mask=mask)
     return hidden[0]
-
-
-def pass_seconds(model, seconds: float) -> float:
-    """A pass's seconds as a measurement of L(n): none (0) where the model first recorded (--cuda-graphs)
-    or compiled (--compile) the pass's static program, ten to thousands of passes' worth of time once."""
-    return 0.0 if getattr(model, "prepared_last_pass", False) else seconds
 
 
 class Answer:

@@ -16,7 +16,7 @@ prefix (tree.Tree.from_branches), so a guess that two sources agree on is one no
 sources' evidence. Cost-aware drafting (cost_aware.py) then keeps, each step, the part of it that pays,
 ranking every node by the same calibrated acceptance estimates under the same L(n); the drafter
 itself carries the soft tokens when what their guesses make the next pass worth beyond its time pays
-for their inputs in this one (cost_aware.Costs.extra_inputs_pay). Verification is the same as for
+for their inputs in this one (ppd.SoftTokenCosts.extra_inputs_pay). Verification is the same as for
 every method: the tree rule of verify.py treats any mix of deterministic guesses, so greedy output is
 vanilla's and sampling stays exact.
 """
@@ -74,7 +74,7 @@ class SoftTokensOnRoot(Drafter):
 
 class CombinedDrafter(Drafter):
     """Sources' trees merged into one (their own budgets summed); `soft` adds PPD's soft tokens, on
-    every pass or, with `costs` (cost-aware drafting, cost_aware.Costs), when they pay."""
+    every pass or, with `costs` (cost-aware drafting, ppd.SoftTokenCosts), when they pay."""
 
     def __init__(self, sources: Sequence[Drafter], soft: SoftTokensOnRoot | None = None, costs=None):
         self.sources = list(sources) + ([soft] if soft else [])

@@ -39,16 +39,12 @@ cannot make guesses look cheaper next to it than they are.
 `Costs` holds all of it for one generation; `CostAware` wraps any drafter and cuts its trees with it.
 A drafter that pays before its tree can be cut asks the same `Costs` itself: a draft model drafts only
 as many guesses as pay (`draft_length`), Medusa runs its heads only when their tree could pay their
-time too (`worth_running`), and PPD and `--method auto` carry PPD's soft tokens when what their
-guesses make the next pass worth beyond its time (`surplus`), as this generation's outcomes estimate
-them, pays for their inputs in this one (`extra_inputs_pay`). After PROBE_EVERY passes in a row
-whose guesses were all cut, a probe sends the part of them that their sources' priors make pay, and
-at least the likeliest (`probe`), so that estimates made low by a few early misses can recover (a
-probe whose accepted guesses do not pay for its inputs doubles the wait for the next); soft tokens'
-probe carries them in one pass (PPD's only those that guess as far ahead as the probe will,
-`probe_depth`) and probes the guesses they make in the next (cut as usual, those guesses would go
-unjudged, and their estimates could never recover); a draft model's probe, which
-costs a draft step too, only while its rate could plausibly pay (`draft_could_pay`).
+time too (`worth_running`); PPD's soft tokens ride along only when they pay (ppd.SoftTokenCosts, the
+same rules for extra inputs). After PROBE_EVERY passes in a row whose guesses were all cut, a probe
+sends the part of them that their sources' priors make pay, and at least the likeliest (`probe`), so
+that estimates made low by a few early misses can recover (a probe whose accepted guesses do not pay
+for its inputs doubles the wait for the next); a draft model's probe, which costs a draft step too,
+only while its rate could plausibly pay (`draft_could_pay`).
 """
 
 import math
@@ -201,10 +197,8 @@ class Costs:
 
     def begin(self) -> None:
         self.estimates = AcceptanceEstimates()
-        self.idle = 0  # passes in a row whose guesses were all cut (or never made), or extra inputs left out
-        self.withheld = False  # whether extra_inputs_pay left this pass's extra inputs out
+        self.idle = 0  # passes in a row whose guesses were all cut (or never made)
         self.probe_after, self.probing = self.PROBE_EVERY, False
-        self.carried_for_probe = self.probe_due = False  # extra_inputs_pay's probe: their guesses next
         self.drafter_seconds, self.passes = 0.0, 0  # the drafter's own time, a cost of every pass too
 
     def pass_cost(self, inputs: int) -> float:
@@ -237,18 +231,24 @@ class Costs:
         """The part of the candidates that pays (best_subtree; best_chain_prefix for a sampled chain),
         or on a probe the part that their priors make pay (`probe`)."""
         self.passes += 1
-        withheld, self.withheld = self.withheld, False
         root_alone = candidates.subtree([0])
         if not self.latency.measured_enough(root_alone.input_count):
             return root_alone
         tree = self.best_part(candidates)
         if len(tree) > 1:
             self.idle = 0
-        elif len(candidates) > 1 or withheld:
+        elif self.left_something_out(candidates):
             self.idle += 1
-        if self.idle > self.probe_after or self.probe_due:
-            tree, self.idle, self.probing, self.probe_due = self.probe(candidates), 0, True, False
+        if self.probe_now():
+            tree, self.idle, self.probing = self.probe(candidates), 0, True
         return tree
+
+    def left_something_out(self, candidates: Tree) -> bool:
+        """Whether a pass that sends the root alone left out something it was offered."""
+        return len(candidates) > 1
+
+    def probe_now(self) -> bool:
+        return self.idle > self.probe_after
 
     def probe(self, candidates: Tree) -> Tree:
         """What a probe sends: the part of the candidates that their sources' priors make pay, what the
@@ -262,14 +262,6 @@ class Costs:
         nodes = best_subtree_nodes(candidates, p, self.pass_cost)
         return candidates.subtree(nodes if len(nodes) > 1 else [0, max(candidates.children[0], key=p.__getitem__)])
 
-    def probe_depth(self, shape: Tree) -> int:
-        """How far ahead a probe of a tree of this shape guesses (`probe`): extra inputs that ride
-        along for a probe need make guesses no further ahead. PPD's three soft tokens rode along whole
-        on a probe (4 inputs) where the next pass probed one or two of their guesses; carried as far as
-        this, decisions priced at one fixed L(n) gained 0.7-1.6 points (docs/results.md). `--method
-        auto` carries them all: its probe also judges the other sources' guesses, as deep as they go."""
-        return max(self.probe(shape).depths)
-
     def learn(self, done: Pass) -> None:
         """The pass's seconds a measurement of L at its size; each judged guess (its parent accepted)
         a success or a failure for its evidence keys."""
@@ -279,7 +271,6 @@ class Costs:
             paid = (1 + done.guesses_kept) * self.latency(1) >= self.latency(done.tree.input_count)
             self.probe_after = self.PROBE_EVERY if paid else 2 * self.probe_after
             self.probing = False
-        self.probe_due, self.carried_for_probe = self.carried_for_probe, False
         for node, outcome in enumerate(done.outcomes()):
             if node and outcome != "unreached":
                 evidence = done.tree.evidence[node]
@@ -323,41 +314,6 @@ class Costs:
             return True
         self.idle += 1
         return False
-
-    def extra_inputs_pay(self, tree: Tree, carried: Tree, gain: float) -> bool:
-        """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses make the
-        next pass worth `gain` tokens beyond its time (`surplus`) when this one's accepted path ends
-        at such a node) beats `tree`, both cut to the part of `tree` that pays: the next pass gets
-        them with probability P = the sum, over the nodes that carry them, of the chance that the path
-        ends there (reached, and none of its children taken: they are different tokens), so they pay
-        when (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
-        that left them out or cut every guess, they ride along once (`carried_for_probe`: PPD then
-        carries only those that guess within `probe_depth`), so that `gain`, estimated from their
-        guesses' outcomes, can recover; the next pass then probes their guesses (`cut`)."""
-        if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
-            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses are probed in the next
-            return True
-        nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
-        best, best_carried = tree.subtree(nodes), carried.subtree(nodes)
-        p = self.estimates_of(best)
-        reached = reach(best, p)
-        expected = sum(reached)
-        carriers = set(best_carried.extra.node) if best_carried.extra else set()
-        ends = sum(reached[node] * max(0.0, 1.0 - sum(p[child] for child in best.children[node])) for node in carriers)
-        pays = ((expected + ends * gain) / self.pass_cost(best_carried.input_count)
-                > expected / self.pass_cost(best.input_count))
-        self.withheld = not pays
-        return pays
-
-    def surplus(self, shape: Tree) -> float:
-        """What a pass over the part of a tree of this shape that pays (its evidence depends on where its
-        nodes are, not on their tokens) is worth beyond sending the root alone, in tokens: those it is
-        expected to yield, less those its time would yield one a pass, L(its inputs) / L(1). Its
-        accepted guesses alone would count its extra inputs as free: on a CPU where L(4) is 1.45 L(1),
-        half a guess a pass is worth 0.05 tokens. Never below 0: the part that pays is the root alone
-        (worth 0) unless its tokens per second beat the root's."""
-        best = self.best_part(shape)
-        return self.expected_tokens(best) - self.pass_cost(best.input_count) / self.pass_cost(1)
 
     def expected_tokens(self, tree: Tree) -> float:
         """Tokens a pass over `tree` is expected to yield, as the estimates stand: the sum of reach over

@@ -89,7 +89,7 @@ class OnlineLatency:
     SAVE_EVERY = 64  # passes between two refreshes of the saved table
     WELL_MEASURED = 8, 0.3  # passes, and the most (q3 - q1) / median, for a size to be saved
     # a pass this many times its size's estimate measured something else, a pause of the process, say
-    # (a pass that compiled or recorded its program comes with no time at all: decode.pass_seconds).
+    # (a pass in which the backend compiled or recorded its program is not shown at all: `untimed`).
     # Ignored, IGNORED_AT_MOST times per size: any more such passes are a machine that did slow down,
     # and are believed.
     OUTLIER, IGNORED_AT_MOST = 20.0, 2
@@ -101,6 +101,9 @@ class OnlineLatency:
 
     def __init__(self, prior: Latency, save=None):
         self.prior, self.save = prior, save  # save(self): refresh the saved table
+        # whether the latest pass also compiled or recorded the backend's program for its size, once,
+        # ten to thousands of passes' worth of time (backends/cpu_compiled.py, cuda_graphs.py): no L(n)
+        self.untimed = lambda: False
         self.recent: dict[int, deque] = {}  # size -> its latest passes' seconds
         self.medians: dict[int, float] = {}  # size -> the median of its latest passes, as the curve took it
         self.seen: dict[int, int] = {}  # size -> passes of that size shown so far
@@ -114,8 +117,9 @@ class OnlineLatency:
 
     def observe(self, inputs: int, seconds: float) -> None:
         """One timed pass over `inputs` inputs (a pass with no time, made by hand rather than by the
-        loop, measures nothing; nor does one of OUTLIER times the estimate, see there)."""
-        if seconds <= 0:
+        loop, measures nothing; nor does one the backend spent preparing, `untimed`, or one of OUTLIER times
+        the estimate, see there)."""
+        if seconds <= 0 or self.untimed():
             return
         if seconds > self.OUTLIER * self(inputs) and self.ignored.get(inputs, 0) < self.IGNORED_AT_MOST:
             self.ignored[inputs] = self.ignored.get(inputs, 0) + 1

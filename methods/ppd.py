@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods import artifacts
-from drafters import TOP_RANKS, TopKDrafter
+from methods.cost_aware import Costs, best_subtree_nodes, reach
+from drafters import TOP_RANKS, Pass, TopKDrafter
 from errors import TooFewRows
 from training.self_distill import FrozenPrefix
 from tree import ExtraInputs, Tree, best_sparse_tree, expected_accepted, path_probability
@@ -96,7 +97,7 @@ class PPDDrafter(TopKDrafter):
         prefill_inputs = soft_tokens.count * soft_tokens.ensembles  # after the prompt, in the prefill
         self.max_extra_inputs = max(prefill_inputs, dynamic_tree.inputs - 1)
         self.predicted_tokens_per_pass = dynamic_tree.tokens_per_pass
-        self.costs = costs  # cost-aware drafting (cost_aware.Costs): soft tokens ride only where they pay
+        self.costs = costs  # cost-aware drafting (SoftTokenCosts): soft tokens ride only where they pay
         fullest = dynamic_tree.states[max(dynamic_tree.states)]  # the tree after a node carrying them all
         self.shape = Tree.shape_of(fullest.spec, accuracy, "ppd")
         self.layouts: dict[tuple[int, ...], ExtraInputs] = {}  # soft tokens per node -> their extra inputs (carrying)
@@ -141,6 +142,78 @@ class PPDDrafter(TopKDrafter):
             ride = min(k for k in self.dynamic_tree.states if k >= depth)
             return self.carrying(tree, [min(count, ride) for count in counts])
         return carried
+
+
+class SoftTokenCosts(Costs):
+    """Cost-aware drafting (cost_aware.Costs) for a drafter whose trees can carry soft tokens (PPD, and
+    `--method auto`, which carries them on its root): they ride along only when what their guesses make
+    the next pass worth pays for their inputs in this one (`extra_inputs_pay`), and a run of passes that
+    left them out ends in a probe over two passes: they ride along in one (only as far ahead as the
+    probe will guess, `probe_depth`), and the next probes the guesses they made (cut as usual, those
+    guesses would go unjudged, and their estimates could never recover)."""
+
+    def begin(self) -> None:
+        super().begin()
+        self.withheld = False  # whether extra_inputs_pay left this pass's soft tokens out
+        self.carried_for_probe = self.probe_due = False  # their probe: they ride now, their guesses next
+
+    def cut(self, candidates: Tree) -> Tree:
+        tree = super().cut(candidates)
+        self.withheld = self.probe_due = False
+        return tree
+
+    def left_something_out(self, candidates: Tree) -> bool:
+        return super().left_something_out(candidates) or self.withheld
+
+    def probe_now(self) -> bool:
+        return super().probe_now() or self.probe_due
+
+    def learn(self, done: Pass) -> None:
+        super().learn(done)
+        self.probe_due, self.carried_for_probe = self.carried_for_probe, False
+
+    def probe_depth(self, shape: Tree) -> int:
+        """How far ahead a probe of a tree of this shape guesses (`probe`): soft tokens that ride along
+        for a probe need make guesses no further ahead. PPD's three soft tokens rode along whole on a
+        probe (4 inputs) where the next pass probed one or two of their guesses; carried as far as this,
+        decisions priced at one fixed L(n) gained 0.7-1.6 points (docs/results.md). `--method auto`
+        carries them all: its probe also judges the other sources' guesses, as deep as they go."""
+        return max(self.probe(shape).depths)
+
+    def extra_inputs_pay(self, tree: Tree, carried: Tree, gain: float) -> bool:
+        """Whether `carried` (`tree` with extra inputs on some of its nodes, whose guesses make the
+        next pass worth `gain` tokens beyond its time (`surplus`) when this one's accepted path ends
+        at such a node) beats `tree`, both cut to the part of `tree` that pays: the next pass gets
+        them with probability P = the sum, over the nodes that carry them, of the chance that the path
+        ends there (reached, and none of its children taken: they are different tokens), so they pay
+        when (E + P gain) / L(their inputs too) > E / L(tree's inputs). After PROBE_EVERY passes in a row
+        that left them out or cut every guess, they ride along once (`carried_for_probe`: PPD then
+        carries only those that guess within `probe_depth`), so that `gain`, estimated from their
+        guesses' outcomes, can recover; the next pass then probes their guesses (`cut`)."""
+        if self.idle >= self.probe_after:  # a probe over two passes: they ride along in this one, and
+            self.idle, self.withheld, self.carried_for_probe = 0, False, True  # their guesses are probed in the next
+            return True
+        nodes = best_subtree_nodes(tree, self.estimates_of(tree), self.pass_cost)
+        best, best_carried = tree.subtree(nodes), carried.subtree(nodes)
+        p = self.estimates_of(best)
+        reached = reach(best, p)
+        expected = sum(reached)
+        carriers = set(best_carried.extra.node) if best_carried.extra else set()
+        ends = sum(reached[node] * max(0.0, 1.0 - sum(p[child] for child in best.children[node])) for node in carriers)
+        pays = ((expected + ends * gain) / self.pass_cost(best_carried.input_count)
+                > expected / self.pass_cost(best.input_count))
+        self.withheld = not pays
+        return pays
+
+    def surplus(self, shape: Tree) -> float:
+        """What a pass over the part of a tree of this shape that pays (its evidence depends on where its
+        nodes are, not on their tokens) is worth beyond sending the root alone, in tokens: those it is
+        expected to yield, less those its time would yield one a pass, L(its inputs) / L(1). Its
+        accepted guesses alone would count its extra inputs as free: on a CPU where L(4) is 1.45 L(1),
+        half a guess a pass is worth 0.05 tokens. Never below 0: the part that pays is the root alone
+        (worth 0) unless its tokens per second beat the root's."""
+        best = self.best_part(shape)
+        return self.expected_tokens(best) - self.pass_cost(best.input_count) / self.pass_cost(1)
 
 
 def load_drafter(model, path: Path, inputs: int, static: bool = False, costs=None) -> PPDDrafter:

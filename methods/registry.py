@@ -64,6 +64,7 @@ class Method:
     guesses: bool = True  # its passes verify guesses (so --acceptance means something)
     drafter: Callable[["Build"], Drafter] | None = None  # its drafter, for the guess-and-verify loop
     engine: Callable | None = None  # (options, model, tokenizer) -> an engine with .generate (apar.py)
+    costs: type[Costs] = Costs  # what cost-aware drafting weighs (ppd.SoftTokenCosts: soft tokens too)
 
     def cost_aware(self, options) -> bool:
         """Whether its trees are cut to what pays (cost_aware.py): it guesses, and --fixed-size is not given."""
@@ -203,7 +204,7 @@ METHODS = {m.name: m for m in [
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=medusa_drafter),
     Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
            "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree", "fixed_size"),
-           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=ppd_drafter),
+           Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=ppd_drafter, costs=ppd.SoftTokenCosts),
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
@@ -212,7 +213,8 @@ METHODS = {m.name: m for m in [
     Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
            "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
            "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
-           ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"), drafter=auto_drafter),
+           ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"), drafter=auto_drafter,
+           costs=ppd.SoftTokenCosts),
 ]}
 
 
@@ -319,7 +321,7 @@ def build_drafter(method: Method, options, model, tokenizer, inputs: int | None 
 
     def this_machines():  # measured only when needed (once per machine: calibrate.machine_latency)
         return latency or machine_latency(model)
-    costs = Costs(this_machines()) if method.cost_aware(options) else None
+    costs = method.costs(this_machines()) if method.cost_aware(options) else None
     drafter = method.drafter(Build(options, model, tokenizer, inputs or inputs_per_pass(method, options, model),
                                    costs, this_machines))
     return drafter if costs is None else CostAware(drafter, costs)

@@ -15,7 +15,7 @@ from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                      tiny_model, trees)
 from methods.registry import METHODS, build_drafter, default_options
-from methods.ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from methods.ppd import PPDDrafter, SoftTokenCosts, SoftTokens, best_dynamic_sparse_tree
 from tree import Evidence, Tree
 
 
@@ -78,7 +78,7 @@ def test_soft_tokens_ride_on_the_root_only_where_they_pay():
 def test_the_combined_drafter_decodes_as_vanilla_greedy(seed, prompt, max_new_tokens, with_ppd, cost_aware):
     model = tiny_model(seed)
     soft = SoftTokensOnRoot(random_ppd(model, seed)) if with_ppd else None
-    costs = Costs(Latency({1: 1.0, 4: 1.3, 16: 2.0})) if cost_aware else None
+    costs = SoftTokenCosts(Latency({1: 1.0, 4: 1.3, 16: 2.0})) if cost_aware else None
     drafter = CombinedDrafter([NGramDrafter(n=3, k=4), TrieDrafter(decoding_length=6, branch_length=3)], soft, costs)
     if cost_aware:
         drafter = CostAware(drafter, costs)
@@ -123,7 +123,7 @@ def test_soft_tokens_ride_along_only_when_their_next_pass_pays():
     gain = soft.ppd.predicted_tokens_per_pass - 1
     for soft_cost, kept in [(0.0, True), (0.01, True), (5.0, False)]:
         latency = Latency({1: 1.0, 2: 1.0, 8: 1.0 + soft_cost})
-        assert Costs(latency).extra_inputs_pay(bare, carried, gain) == kept
+        assert SoftTokenCosts(latency).extra_inputs_pay(bare, carried, gain) == kept
         assert kept == ((expected + ends_at_root * gain) / latency(8) > expected / latency(2))
 
 
@@ -139,12 +139,12 @@ def test_soft_tokens_on_deeper_nodes_pay_with_the_chance_the_path_ends_there():
     for gain in [0.1, 1.0, 10.0]:
         latency = Latency({1: 1.0, 3: 1.0, inputs: 1.5})
         kept = (expected + 0.25 * gain) / 1.5 > expected / 1.0
-        assert Costs(latency).extra_inputs_pay(tree, carried, gain) == kept
+        assert SoftTokenCosts(latency).extra_inputs_pay(tree, carried, gain) == kept
 
 
 def test_left_out_soft_tokens_are_probed_again():
     """Soft tokens left out PROBE_EVERY passes in a row ride along once: their estimates can recover."""
-    costs = Costs(Latency({1: 1.0, 2: 1.0, 8: 100.0}))
+    costs = SoftTokenCosts(Latency({1: 1.0, 2: 1.0, 8: 100.0}))
     model = tiny_model(0)
     soft = SoftTokensOnRoot(random_ppd(model))
     bare = Tree.chain(1, [])

@@ -275,16 +275,6 @@ def test_a_probe_pays_when_its_accepted_guesses_cover_its_inputs():
         assert costs.probe_after == wait
 
 
-def test_a_trees_surplus_is_its_expected_tokens_beyond_what_its_time_buys_one_a_pass():
-    """A chain of two guesses at 0.5 and 0.25 (reach 0.5, 0.125): 1.625 tokens a pass. Over three
-    inputs costing 1.25 L(1) it is worth 0.375 tokens more than sending the root alone; its first
-    guess alone, 1.5 tokens for 1.2 L(1), 0.3. Where any guess costs a whole L(1), nothing pays: 0."""
-    shape = Tree.chain(0, [1, 2], evidence=[((("a",), 0.5),), ((("b",), 0.25),)])
-    assert Costs(Latency({1: 1.0, 2: 1.2, 3: 1.25})).surplus(shape) == pytest.approx(1.625 - 1.25)
-    assert Costs(Latency({1: 1.0, 2: 1.2, 3: 1.4})).surplus(shape) == pytest.approx(1.5 - 1.2)
-    assert Costs(Latency({1: 1.0, 2: 2.0, 3: 3.0})).surplus(shape) == 0.0
-
-
 def test_a_judged_guess_counts_once_and_unreached_ones_not_at_all():
     tree = Tree([0, 1, 2, 3, 4], [-1, 0, 1, 0, 3],
                 evidence=[(), ((("a",), 0.5),), ((("b",), 0.5),), ((("c",), 0.5),), ((("d",), 0.5),)])

@@ -180,6 +180,21 @@ def test_the_loop_shows_every_decoding_pass_its_time():
     assert all(0 < s < 1 for recent in online.recent.values() for s in recent)
 
 
+def test_a_pass_in_which_the_backend_prepared_its_program_is_no_measurement(monkeypatch):
+    """A backend that compiled or recorded the pass's program (prepared_last_pass) spent ten to thousands
+    of passes' time on it once: that pass does not move L(n); the next one, plain, does."""
+    monkeypatch.setattr(calibrate, "THIS_RUN", {})
+    monkeypatch.setattr(calibrate, "machine_key", lambda model: "a machine")
+    monkeypatch.setattr(calibrate, "saved_or_measured", lambda model, key: TRUE)
+    model = SimpleNamespace(prepared_last_pass=True)
+    online = calibrate.machine_latency(model)
+    online.observe(1, 15 * TRUE(1))
+    assert online.seen == {}
+    model.prepared_last_pass = False
+    online.observe(1, TRUE(1))
+    assert online.seen == {1: 1}
+
+
 def test_cost_aware_drafting_first_measures_what_sending_nothing_costs():
     costs = Costs(OnlineLatency(Latency.flat()))
     assert not costs.latency.measured_enough(1) and costs.draft_length(0.1, 4, prior=0.5) == 0

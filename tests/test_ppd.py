@@ -21,6 +21,7 @@ from helpers import (accuracy_tables, assert_equals_vanilla_greedy, assert_shipp
 from errors import UserError
 from methods.ppd import (
     PPDDrafter,
+    SoftTokenCosts,
     SoftTokens,
     best_dynamic_sparse_tree,
     dynamic_sparse_tree,
@@ -141,7 +142,7 @@ def test_ppd_equals_vanilla_greedy(seed, prompt, max_new, eos, dynamic, size, en
     if input_cost is None:
         drafter = random_ppd(model, drafter_seed, size, ensembles, rows, dynamic=dynamic)
     else:
-        costs = Costs(Latency({1: 1.0, 64: 1.0 + 63 * input_cost}))
+        costs = SoftTokenCosts(Latency({1: 1.0, 64: 1.0 + 63 * input_cost}))
         drafter = CostAware(random_ppd(model, drafter_seed, size, ensembles, rows, dynamic, costs), costs)
     assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
 
@@ -165,7 +166,7 @@ def test_the_next_guesses_are_the_last_accepted_nodes_own_soft_tokens_by_distanc
 
 def test_soft_tokens_that_never_pay_ride_along_only_on_probes():
     model = model_of(0)
-    costs = Costs(Latency({1: 1.0, 64: 1000.0}))
+    costs = SoftTokenCosts(Latency({1: 1.0, 64: 1000.0}))
     drafter = CostAware(random_ppd(model, 0, 2, 1, 8, True, costs), costs)
     carried = []
     generate(model, [1, 2, 3], max_new_tokens=60, eos_ids=set(), drafter=drafter,
@@ -177,12 +178,12 @@ def test_soft_tokens_that_never_pay_ride_along_only_on_probes():
 @pytest.mark.parametrize("soft_tokens, ensembles, dynamic", [(2, 1, True), (3, 2, True), (2, 1, False)])
 def test_a_soft_token_probe_sends_a_guess_they_make_in_the_next_pass(soft_tokens, ensembles, dynamic):
     """Soft tokens that never pay ride along on a probe, only those that guess as far ahead as the
-    probe will (Costs.probe_depth), in all their copies (a static tree, whose one state follows a node
+    probe will (SoftTokenCosts.probe_depth), in all their copies (a static tree, whose one state follows a node
     carrying them all: all of them); the guesses they make come a pass later, and that pass probes
     them (at least the likeliest is sent): cut as usual, they would go unjudged and their estimates
     never recover."""
     model = model_of(0)
-    costs = Costs(Latency({1: 1.0, 64: 1000.0}))
+    costs = SoftTokenCosts(Latency({1: 1.0, 64: 1000.0}))
     ppd = random_ppd(model, 0, soft_tokens, ensembles, 8, dynamic, costs)
     drafter = CostAware(ppd, costs)
     carried, cuts = [], []
@@ -277,3 +278,13 @@ def test_the_soft_layout_is_the_ensemble_mask_by_hand():
     assert torch.equal(tree.input_mask(0), expected)
     assert tree.input_mask(3).shape == (8, 11)
     assert tree.extra_rows(0) == [2, 3, 4, 5] and tree.extra_rows(1) == [6, 7]
+
+
+def test_a_trees_surplus_is_its_expected_tokens_beyond_what_its_time_buys_one_a_pass():
+    """A chain of two guesses at 0.5 and 0.25 (reach 0.5, 0.125): 1.625 tokens a pass. Over three
+    inputs costing 1.25 L(1) it is worth 0.375 tokens more than sending the root alone; its first
+    guess alone, 1.5 tokens for 1.2 L(1), 0.3. Where any guess costs a whole L(1), nothing pays: 0."""
+    shape = Tree.chain(0, [1, 2], evidence=[((("a",), 0.5),), ((("b",), 0.25),)])
+    assert SoftTokenCosts(Latency({1: 1.0, 2: 1.2, 3: 1.25})).surplus(shape) == pytest.approx(1.625 - 1.25)
+    assert SoftTokenCosts(Latency({1: 1.0, 2: 1.2, 3: 1.4})).surplus(shape) == pytest.approx(1.5 - 1.2)
+    assert SoftTokenCosts(Latency({1: 1.0, 2: 2.0, 3: 3.0})).surplus(shape) == 0.0

@@ -25,7 +25,7 @@ from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers,
 from methods.recycling import RecyclingDrafter
 from methods.medusa import MedusaDrafter, MedusaHeads
 from checkpoint import build_model, config_from_hf
-from methods.ppd import PPDDrafter, SoftTokens, best_dynamic_sparse_tree
+from methods.ppd import PPDDrafter, SoftTokenCosts, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling, target_probs
 
 VOCAB = 8
@@ -113,7 +113,7 @@ def ppd(model):
 
 def cost_aware(make, latency):
     """make(costs)'s drafter, cut by the same costs."""
-    costs = Costs(latency)
+    costs = SoftTokenCosts(latency)  # (a subclass: the same cuts, and PPD's soft tokens too)
     return CostAware(make(costs), costs)
 
 
