@@ -3,6 +3,7 @@
     python train_prompt.py data      # the model's own answers to ShareGPT prompts (cached)
     python train_prompt.py ppd       # PPD soft-token embeddings    -> trained/ppd-<model>.*
     python train_prompt.py medusa    # Medusa heads' ResBlocks      -> trained/medusa-<model>.*
+    python train_prompt.py eagle     # an EAGLE draft head          -> trained/eagle-<model>.*
     python train_prompt.py apar      # APAR adapter + [Fork]/[Child] -> trained/apar-<model>.*
 
 The base model stays frozen; only the new parameters learn, from the model's own text
@@ -17,6 +18,8 @@ rate, progress, resume) and the subcommands; each method's loss lives with the m
   places of an answer, with the decoding mask;
 - Medusa-1 (Cai et al. 2024, section 2.2.1): medusa.medusa_loss, on the frozen base model's hidden
   states, computed once and cached beside the data;
+- EAGLE (Li et al. 2024, section 3.2; EAGLE-3's training-time test): eagle.eagle_loss on the frozen
+  model's features of ShareGPT's recorded replies (or the model's own answers), computed once and cached;
 - APAR (Liu et al. 2024, sections 2.2 and 3.1): apar_finetune.apar_logits, the paragraph tree in one
   pass with the tree attention mask; a rank-16 LoRA adapter (on each layer's attention projections,
   or the ones --adapt names) plus the two control tokens' rows. APAR
@@ -45,6 +48,7 @@ from calibrate import cpu_name
 from programs.convert import cache_root, default_model_dir
 from drafters import TOP_RANKS
 from errors import DefaultsHelpFormatter, OneLineErrorParser, UserError, integer, number, run_program, writable
+from methods.eagle import DRAFT_VOCAB, EagleHead, draft_vocabulary, eagle_accuracy, eagle_loss
 from methods.medusa import MedusaHeads, medusa_accuracy, medusa_loss
 from methods.registry import refuse_idle
 from checkpoint import load_checkpoint, parse_device
@@ -58,6 +62,7 @@ from programs.staging import staged_file
 from tokenizer import Tokenizer, check_fits
 
 MAX_HEADS = 7
+MAX_STEPS_MEASURED = 4  # EAGLE's held-out accuracy per draft step, 1..4
 SAMPLED = Sampling(temperature=0.7, top_p=0.9)  # APAR's extra self-distilled answers
 LEARNING_RATE = number(1e-8, 10.0)  # nan, inf, 0 or a negative rate would train nothing, silently
 
@@ -347,6 +352,67 @@ def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict
     return tensors, {"heads": args.heads, "accuracy": accuracy}
 
 
+# ---- EAGLE --------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def sequence_features(model, records) -> dict[str, torch.Tensor]:
+    """The frozen model's features (final hidden states) at every position of every record's prompt and
+    answer, one pass each, stored in bfloat16 (half the bytes; the head trains in float32) with where
+    each sequence starts, its tokens and where its answer starts. Progress on stderr."""
+    features, tokens, starts, answer_starts = [], [], [0], []
+    progress = Progress("base model's features")
+    for i, record in enumerate(records):
+        ids = sequence(record)
+        states, _ = base_pass(model, ids)
+        features.append(states.to(torch.bfloat16))
+        tokens += ids
+        starts.append(starts[-1] + len(ids))
+        answer_starts.append(len(record["prompt_ids"]))
+        progress.update(f"{i + 1}/{len(records)} sequences")
+    progress.done(f"{len(records)} sequences, {starts[-1]} tokens")
+    return {"features": torch.cat(features), "tokens": torch.tensor(tokens), "starts": torch.tensor(starts),
+            "answer_starts": torch.tensor(answer_starts)}
+
+
+def cached_sequence_features(model, records, path: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """sequence_features, computed once per data file and kept beside it (the model is frozen), as
+    (features [T, D] float32, tokens [T], answer start) per record."""
+    if path.is_file():
+        saved = load_file(path)
+    else:
+        saved = sequence_features(model, records)
+        with staged_file(path) as tmp:
+            save_file(saved, tmp)
+    starts = saved["starts"].tolist()
+    return [(saved["features"][a:b].float(), saved["tokens"][a:b], int(answer))
+            for a, b, answer in zip(starts, starts[1:], saved["answer_starts"].tolist())]
+
+
+def train_eagle(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
+    name = f"{args.data.stem}-eagle-{args.answers}"
+    sequences = cached_sequence_features(model, training, args.data.with_name(name + "-training.safetensors"))
+    draft_ids = draft_vocabulary([r["answer_ids"] for r in training], model.config.vocab_size, args.draft_vocab)
+    torch.manual_seed(args.seed)
+    head = EagleHead(model.config, draft_ids).use_lm_head(model.lm_head)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(sequences) / args.batch_records)
+
+    def step_loss(step):
+        epoch, index = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed + epoch))
+        batch = order[index * args.batch_records:(index + 1) * args.batch_records].tolist()
+        generator = torch.Generator().manual_seed(args.seed + step)
+        loss = sum(eagle_loss(model, head, *sequences[i], steps=args.steps, generator=generator) for i in batch)
+        return loss / len(batch), sum(len(sequences[i][1]) for i in batch)
+
+    run_steps(head, optimizer, args.epochs * steps_per_epoch, step_loss, args)
+    held_out_sequences = cached_sequence_features(model, held_out, args.data.with_name(name + "-held-out.safetensors"))
+    accuracy = eagle_accuracy(model, head.eval(), held_out_sequences, MAX_STEPS_MEASURED, TOP_RANKS)
+    tensors = {k: v for k, v in head.state_dict().items()}
+    return tensors, {"draft_vocab": len(draft_ids), "steps": args.steps, "answers": args.answers,
+                     "accuracy": accuracy}
+
+
 # ---- APAR ---------------------------------------------------------------------------------------
 
 def train_apar(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
@@ -515,7 +581,7 @@ def settings(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="train_prompt.py", description=__doc__.split("\n\n")[0],
                            formatter_class=DefaultsHelpFormatter)
-    commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa,apar}")
+    commands = p.add_subparsers(dest="command", required=True, metavar="{data,ppd,medusa,eagle,apar}")
 
     def command(name, summary, training=True, records=480, max_new_tokens=192, max_prompt_tokens=192, epochs=1):
         """A subcommand with the options all share, at this subcommand's defaults (each gets its own
@@ -557,6 +623,18 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--batch-tokens", type=integer(1, 65536), default=256,
                         help="answer positions per step, 1..65536")
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
+    eagle = command("eagle", "train an EAGLE draft head (its features from one pass of the model over each "
+                    "answer)", epochs=4)
+    eagle.add_argument("--answers", choices=["sharegpt", "model"], default="sharegpt",
+                       help="what the head learns from: ShareGPT's recorded replies run through the model once "
+                            "(EAGLE's data), or the model's own greedy answers (self-distillation; generated once)")
+    eagle.add_argument("--steps", type=integer(1, 8), default=2,
+                       help="draft steps unrolled per position while training (EAGLE-3's training-time test; "
+                            "1: EAGLE's teacher-forced training)")
+    eagle.add_argument("--draft-vocab", type=integer(1, 1_000_000), default=DRAFT_VOCAB,
+                       help="tokens the head drafts among: the most frequent in the training answers")
+    eagle.add_argument("--batch-records", type=integer(1, 4096), default=4, help="sequences per step")
+    eagle.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     # the shipped adapter's round (answers must end with EOS to become paragraph trees, so they may be
     # longer; prompts shorter); a cheaper round on a 2-core CPU: apar_finetune.py, "Cost of a round"
     apar = command("apar", "fine-tune for APAR: a low-rank adapter and the [Fork]/[Child] embeddings (its own "
@@ -634,10 +712,10 @@ def train_command(argv) -> None:
     training, held_out = answers(model, tokenizer, folder, args)
     if args.command == "data":
         return
-    train = {"ppd": train_ppd, "medusa": train_medusa, "apar": train_apar}[args.command]
+    train = {"ppd": train_ppd, "medusa": train_medusa, "eagle": train_eagle, "apar": train_apar}[args.command]
     tensors, made = train(model, tokenizer, training, held_out, args)
     meta = {"kind": args.command, "model": artifacts.model_fingerprint(model), **made,
-            "trainable_parameters": sum(t.numel() for t in tensors.values()),
+            "trainable_parameters": sum(t.numel() for t in tensors.values() if t.is_floating_point()),
             "training": {"command": "python train_prompt.py " + " ".join(argv or sys.argv[1:]),
                          "settings": settings(args), "training_answers": len(training),
                          "held_out_answers": len(held_out),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from methods import eagle
 from methods import medusa
 from methods import ppd
 from methods.apar import FORK_BIAS, MAX_FORK_BIAS, MAX_GUESSES_PER_PASS, load_apar_model
@@ -40,6 +41,7 @@ from tokenizer import Tokenizer, check_fits
 
 DEFAULT_DRAFT_LAYERS = 4
 DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate (measured: docs/constants.md)
+EAGLE_TREE_ROWS = 16  # eagle without --calibrate: its dynamic tree's nodes at most, the root included
 MAX_TREE_ROWS = 256  # the most --tree-rows (docs/constants.md)
 MAX_LAYERS = 1024  # --draft-layers: the model's own count is checked once it is loaded
 
@@ -142,6 +144,10 @@ def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
     return medusa.load_drafter(build.model, trained_path("medusa", build.options), build.inputs, build.costs)
 
 
+def eagle_drafter(build: Build) -> eagle.EagleDrafter:
+    return eagle.load_drafter(build.model, trained_path("eagle", build.options), build.inputs, build.costs)
+
+
 def ppd_drafter(build: Build) -> ppd.PPDDrafter:
     return ppd.load_drafter(build.model, trained_path("ppd", build.options), build.inputs, build.options.static_tree,
                             build.costs)
@@ -205,6 +211,10 @@ METHODS = {m.name: m for m in [
     Method("ppd", "parallel prompt decoding: trained soft tokens ride along in each forward pass and guess "
            "the next tokens; a dynamic sparse tree", "Chen et al. 2024", ("trained", "tree_rows", "static_tree", "fixed_size"),
            Size("tree_rows", DEFAULT_TREE_ROWS, 0), trained=True, drafter=ppd_drafter, costs=ppd.SoftTokenCosts),
+    Method("eagle", "a trained draft head continues the model's own features (its last hidden state and the token "
+           "chosen after it) and drafts a dynamic tree of its likeliest guesses", "Li et al. 2024 (EAGLE, EAGLE-2)",
+           ("trained", "tree_rows", "fixed_size"), Size("tree_rows", EAGLE_TREE_ROWS, 0), trained=True,
+           drafter=eagle_drafter),
     Method("apar", "auto-parallel decoding (apar.py): the model, fine-tuned with the shipped adapter, writes "
            "[Fork] where the rest of a point can be written in parallel, and one forward pass steps all "
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",

@@ -25,6 +25,7 @@ from drafters import DraftModelDrafter, NGramDrafter, TrieDrafter, first_layers,
 from methods.recycling import RecyclingDrafter
 from methods.medusa import MedusaDrafter, MedusaHeads
 from checkpoint import build_model, config_from_hf
+from methods.eagle import EagleDrafter, EagleHead
 from methods.ppd import PPDDrafter, SoftTokenCosts, SoftTokens, best_dynamic_sparse_tree
 from sampling import Sampling, target_probs
 
@@ -111,6 +112,19 @@ def ppd(model):
     return PPDDrafter(model, SoftTokens(embeddings), best_dynamic_sparse_tree(ACCURACY, 16, 3, 2), ACCURACY)
 
 
+def eagle(model):
+    """An EAGLE head that guesses the next feature is the last one (its fc passes the feature through, its
+    layer adds nothing): it guesses again what the model just chose, often right on a tiny vocabulary."""
+    head = EagleHead(model.config, torch.arange(model.config.vocab_size)).double()
+    D = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.zeros(D, D), torch.eye(D)], dim=1))
+        head.fc.bias.zero_()
+        head.layer.attention.wo.weight.zero_()
+        head.layer.mlp.w_down.weight.zero_()
+    return EagleDrafter(model, head.use_lm_head(model.lm_head), inputs=8, depth=2, expand=2, top_k=3)
+
+
 def cost_aware(make, latency):
     """make(costs)'s drafter, cut by the same costs."""
     costs = SoftTokenCosts(latency)  # (a subclass: the same cuts, and PPD's soft tokens too)
@@ -126,6 +140,7 @@ def drafters(model, other_draft):
         "speculative-other": lambda: DraftModelDrafter(other_draft, gamma=2),
         "medusa": lambda: medusa(model),
         "ppd": lambda: ppd(model),
+        "eagle": lambda: eagle(model),
         # cost-aware (a pass of 4 inputs costs 1.3 of one) and combined: n-grams, trie, soft tokens on the root
         "speculative-cost-aware": lambda: cost_aware(lambda costs: DraftModelDrafter(other_draft, gamma=3, costs=costs),
                                                      Latency({1: 1, 4: 1.3})),
@@ -136,7 +151,7 @@ def drafters(model, other_draft):
 
 
 @pytest.mark.parametrize("method", ["anpd", "lookahead", "recycling", "speculative-self", "speculative-other", "medusa",
-                                    "ppd", "speculative-cost-aware", "auto"])
+                                    "ppd", "eagle", "speculative-cost-aware", "auto"])
 def test_sampled_tokens_follow_the_model(model, prompt, joint, other_draft, method):
     counts, accepted = sampled_counts(model, prompt, drafters(model, other_draft)[method]())
     assert accepted > RUNS // 8  # guesses were accepted often, so the verifier was really tested
@@ -149,7 +164,7 @@ def test_vanilla_sampling_passes_the_same_test(model, prompt, joint):
     assert chi_square_p_value(counts, joint) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["anpd", "recycling", "speculative-other", "ppd"])
+@pytest.mark.parametrize("method", ["anpd", "recycling", "speculative-other", "ppd", "eagle"])
 def test_a_deliberately_wrong_rule_is_caught(model, prompt, joint, other_draft, method, monkeypatch):
     """After a rejection, draw from p instead of the residual: guessed tokens come out too often."""
     monkeypatch.setattr(verify_module, "residual_after_rejection", lambda p, q: p)

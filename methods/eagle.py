@@ -1,0 +1,303 @@
+"""EAGLE: a small draft head that continues the model's own features (Li et al. 2024, "EAGLE:
+Speculative Sampling Requires Rethinking Feature Uncertainty"; the tree of "EAGLE-2: Faster Inference
+of Language Models with Dynamic Draft Trees"; the reduced draft vocabulary and training-time test of
+"EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time Test", 2025).
+
+Read in this order:
+1. `EagleHead` (EAGLE section 3.1, "Drafting phase"): the model's feature f_i (its final hidden state at
+   position i, what its LM head reads) and the embedding of the token that followed, e(t_{i+1}), go
+   through one linear layer, [e; f] (2D) -> D, and one decoder layer (model.Block) to a guess of the
+   next feature f_{i+1}; the LM head's rows for the draft vocabulary turn it into a distribution over
+   t_{i+2}. Feeding the token that was actually chosen is what removes the feature's uncertainty (the
+   paper's "shifted token"). The draft vocabulary is EAGLE-3's: the DRAFT_VOCAB tokens most frequent in
+   the training answers (`draft_ids`, its id map): the default model's tied LM head is 28M of its 135M
+   weights, so a draft step through all of it would read a fifth of what a pass reads, and through
+   8192 rows a thirtieth.
+2. `EagleDrafter` (EAGLE-2 section 4): the head keeps its own one-layer K/V cache over the history
+   (after each pass, one row per accepted node: that node's feature and the token after it). Drafting
+   then grows a tree one depth at a time (4.1, "Expansion"): the frontier is the `expand` nodes of
+   highest *value*, the product of the draft's confidences along the path (an estimate of the chance
+   the node is accepted), and each frontier node's `top_k` children join the tree. The tree's best
+   nodes by value are kept (4.2, "Reranking"; a child's value never exceeds its parent's, so they form
+   a tree) and cost-aware drafting (cost_aware.py) cuts them to what pays, with the draft's confidence
+   as each guess's prior. A depth is drafted only while its nodes could pay for the step's time
+   (`worth_another_step`).
+3. `eagle_loss` (EAGLE section 3.2, EAGLE-3 section 3.2): with the model frozen, the head learns to
+   regress the next feature (smooth L1) and to match the model's next-token distribution through the
+   LM head (cross-entropy, weight CLASSIFICATION_WEIGHT), over `steps` draft steps: step s feeds the
+   head's own features of step s - 1, as decoding will (EAGLE-3's training-time test), each position
+   seeing the true history and its own earlier steps. `python train_prompt.py eagle` runs it.
+
+Verification is every method's (verify.py): the guesses are the draft's top tokens, deterministic, so
+greedy output is vanilla's and sampling stays exact.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from methods import artifacts
+from drafters import Drafter, Request
+from kv_cache import KVCache
+from model import Block, LlamaConfig, at_least_float32, causal_mask, rope_inverse_frequencies, rotary_cos_sin
+from tree import Evidence, Tree
+
+DRAFT_VOCAB = 8192  # EAGLE-3 drafts over a reduced vocabulary: the most frequent tokens
+CLASSIFICATION_WEIGHT = 0.1  # w_cls of EAGLE section 3.2 (the regression's weight is 1)
+FEATURE_NOISE = 0.1  # EAGLE section 3.2's data augmentation: uniform noise on the input features
+MAX_DEPTH = 8  # draft steps per pass at most
+
+
+class EagleHead(nn.Module):
+    """The draft head: fc([e(t_{i+1}); f_i]) -> one decoder layer -> the guessed feature f_{i+1}.
+
+    draft_ids [W]: the token id of each draft-vocabulary row (EAGLE-3's id map); the LM head's rows
+    for them are gathered once (`use_lm_head`) and stay frozen: the model's own LM head, in fewer rows."""
+
+    def __init__(self, config: LlamaConfig, draft_ids: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.layer = Block(config)
+        self.register_buffer("draft_ids", draft_ids.long())
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.draft_lm_head: torch.Tensor | None = None  # [W, D], use_lm_head
+
+    def use_lm_head(self, lm_head: nn.Linear) -> "EagleHead":
+        self.draft_lm_head = lm_head.weight.detach()[self.draft_ids]  # [W, D]
+        return self
+
+    def forward(self, features, embeddings, positions, cache=None, slots=None, mask=None):
+        """features, embeddings [B, T, D] (f_i and e(t_{i+1})), positions [T] (i) -> guessed features
+        [B, T, D] (f_{i+1}). cache/slots/mask as model.Llama.hidden_states (a one-layer cache)."""
+        x = self.fc(torch.cat([embeddings, features], dim=-1))  # [B, T, 2D] -> [B, T, D]
+        T = x.shape[1]
+        if mask is None and T > 1:
+            mask = causal_mask(0 if cache is None else slots.start, T, x.device)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions.view(-1, T), x.dtype)
+        return self.layer(x, cos, sin, 0, cache, slots, mask)
+
+    def logits(self, features):
+        """[..., D] -> [..., W]: logits over the draft vocabulary."""
+        return features @ self.draft_lm_head.T
+
+
+def draft_vocabulary(token_lists, vocab_size: int, size: int = DRAFT_VOCAB) -> torch.Tensor:
+    """The `size` tokens most frequent in `token_lists` (ties: the lower id), then the lowest ids not
+    seen, so that the map always has `size` rows (fewer if the vocabulary is smaller). Ascending ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens in token_lists:
+        counts += torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda token: (-counts[token].item(), token))
+    return torch.tensor(sorted(order[:min(size, vocab_size)]))
+
+
+class EagleDrafter(Drafter):
+    """EAGLE with EAGLE-2's dynamic tree of at most `inputs` - 1 guesses (see the module docstring).
+
+    expand: frontier nodes per depth; top_k: children drafted per frontier node; depth: draft steps."""
+
+    def __init__(self, model, head: EagleHead, inputs: int, depth: int = 5, expand: int = 4, top_k: int = 4,
+                 costs=None):
+        self.model, self.head = model, head.requires_grad_(False)
+        self.size, self.depth, self.expand, self.top_k = inputs - 1, depth, expand, top_k
+        self.max_extra_inputs = self.size
+        self.costs = costs  # cost-aware drafting (cost_aware.Costs): what a draft step may cost
+
+    def begin(self, request: Request):
+        super().begin(request)
+        c = self.head.config
+        capacity = (request.max_length or c.max_positions) + self.depth * self.expand + 1
+        self.cache = KVCache(1, c.num_kv_heads, c.head_dim, capacity, dtype=self.model.dtype, device=self.model.device)
+        self.guessed: torch.Tensor | None = None  # [D]: the head's guess of the root's feature
+        self.step_seconds: list[float] = []  # each draft step's time (a frontier through the head)
+
+    def after_pass(self, done):
+        """The head reads one row per accepted node (its feature, the token after it), into its cache;
+        its last row guesses the feature of the new root."""
+        super().after_pass(done)
+        start = done.cache_length
+        followers = self.history[start + 1:start + 1 + len(done.path)]  # the token after each accepted node
+        if not followers:
+            self.guessed = None
+            return
+        self.cache.truncate(start)  # (the draft tree of the last proposal goes)
+        features = done.hidden[done.path[:len(followers)]]  # [n, D]
+        tokens = torch.tensor(followers, device=self.model.device)
+        positions = torch.arange(start, start + len(followers), device=self.model.device)
+        guessed = self.head(features[None], self.model.embed(tokens)[None], positions,
+                            cache=self.cache, slots=self.cache.claim(len(followers)))
+        self.guessed = guessed[0, -1]
+
+    def propose(self) -> Tree:
+        """EAGLE-2's expansion and reranking (sections 4.1, 4.2) from the head's guess of the root's feature."""
+        if self.guessed is None or self.size == 0:
+            return Tree.chain(self.history[-1], [])
+        history = self.cache.length  # the root sits at this position
+        # the tree so far: per node its token, parent, depth, value and the draft's confidence in it
+        tokens, parents, depths, values, confidences = [self.history[-1]], [-1], [0], [1.0], [1.0]
+        feature_of = {0: self.guessed}  # node -> the head's guess of its feature: its children's logits
+        slot_of = {}  # drafted node -> its row in the head's cache
+        expanded = [0]  # the nodes whose children this depth drafts
+        for depth in range(1, self.depth + 1):
+            started = time.perf_counter()
+            features = torch.stack([feature_of[node] for node in expanded])  # [F, D]
+            logits = self.head.logits(features)  # [F, W]
+            log_probs = torch.log_softmax(logits.to(at_least_float32(logits.dtype)), dim=-1)
+            top = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
+            children = []
+            for row, node in enumerate(expanded):
+                for log_p, index in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                    tokens.append(int(self.head.draft_ids[index]))
+                    parents.append(node)
+                    depths.append(depth)
+                    confidences.append(math.exp(log_p))
+                    values.append(values[node] * confidences[-1])
+                    children.append(len(tokens) - 1)
+            frontier = sorted(children, key=lambda node: -values[node])[:self.expand]
+            if depth == self.depth or not self.worth_another_step(frontier, values):
+                self.step_seconds.append(time.perf_counter() - started)
+                break
+            self.step(frontier, tokens, parents, feature_of, slot_of, history, depth)
+            expanded = frontier
+            self.step_seconds.append(time.perf_counter() - started)
+        self.cache.truncate(history)
+        return self.reranked(tokens, parents, depths, values, confidences)
+
+    def step(self, frontier, tokens, parents, feature_of, slot_of, history, depth) -> None:
+        """One draft step: each frontier node, as the pair (its parent's guessed feature, its token) at its
+        parent's position, through the head, seeing the history and its own drafted ancestors; their
+        guessed features go to `feature_of`."""
+        device = self.model.device
+        features = torch.stack([feature_of[parents[node]] for node in frontier])  # [F, D]
+        embeddings = self.model.embed(torch.tensor([tokens[node] for node in frontier], device=device))  # [F, D]
+        slots = self.cache.claim(len(frontier))
+        mask = torch.zeros(len(frontier), self.cache.length, dtype=torch.bool)  # [F, S]
+        mask[:, :history] = True
+        for row, node in enumerate(frontier):
+            slot_of[node] = slots.start + row
+            ancestor = node
+            while ancestor:  # (the root's own row is the history's last)
+                mask[row, slot_of[ancestor]] = True
+                ancestor = parents[ancestor]
+        positions = torch.full((len(frontier),), history + depth - 1, device=device)
+        guessed = self.head(features[None], embeddings[None], positions, cache=self.cache, slots=slots,
+                            mask=mask.to(device))
+        for row, node in enumerate(frontier):
+            feature_of[node] = guessed[0, row]
+
+    def worth_another_step(self, frontier, values) -> bool:
+        """Whether drafting one depth more could pay for its time: the guesses it adds are accepted with
+        a chance of at most the frontier's values added up (different tokens at one position: at most
+        one is right, so at most 1), each worth a token, about a pass's time L(1); a step costs what the
+        steps so far took. Without cost-aware drafting: always."""
+        if self.costs is None or not self.step_seconds:
+            return True
+        chance = min(1.0, sum(values[node] for node in frontier))
+        step = sum(self.step_seconds[-16:]) / len(self.step_seconds[-16:])
+        return chance * self.costs.latency(1) > step
+
+    def reranked(self, tokens, parents, depths, values, confidences) -> Tree:
+        """The `size` drafted nodes of highest value (EAGLE-2 section 4.2; ties: the shallower, so a
+        parent comes before its child), as a tree whose guesses carry the draft's confidence."""
+        best = sorted(range(1, len(tokens)), key=lambda node: (-values[node], depths[node], node))[:self.size]
+        keep = [0] + sorted(best)
+        row = {node: i for i, node in enumerate(keep)}
+        evidence = [()] + [(Evidence(("eagle", depths[node], min(int(confidences[node] * 10), 9)), confidences[node]),)
+                           for node in keep[1:]]
+        return Tree([tokens[node] for node in keep], [-1] + [row[parents[node]] for node in keep[1:]],
+                    evidence=evidence)
+
+
+def load_drafter(model, path: Path, inputs: int, costs=None) -> EagleDrafter:
+    """The head saved at `path` by train_prompt.py (checked to be made for `model`)."""
+    tensors, meta = artifacts.load(path, "eagle", model)
+    with artifacts.unpacking(path, "eagle"):
+        head = EagleHead(model.config, tensors["draft_ids"]).to(model.device)
+        head.load_state_dict(tensors)
+        head = head.to(model.dtype).use_lm_head(model.lm_head).eval()
+        return EagleDrafter(model, head, inputs, costs=costs)
+
+
+# ---- training (the model frozen) -------------------------------------------------------------------
+
+class EarlierSteps:
+    """The head's one-layer cache while training: each step's keys and values joined after the earlier
+    steps' (autograd sees through), so that step s sees steps 1..s (the mask says which rows)."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def write(self, layer, slots, k, v):
+        self.keys.append(k)
+        self.values.append(v)
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
+
+
+def unrolled_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """[T, step * T]: what row i of draft step `step` (its pair at position i + step - 1) sees: the true
+    history's pairs at positions 0..i (step 1's rows 0..i), and its own rows of steps 2..step (the
+    guesses it was drafted through). EAGLE-3's training-time test; step 1 alone is the causal mask."""
+    rows = torch.arange(T, device=device)
+    history = rows[None, :] <= rows[:, None]  # [T, T]
+    own = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([history] + [own] * (step - 1), dim=1)
+
+
+def unrolled(model, head: EagleHead, features, tokens, steps: int, noise: float = 0.0, generator=None):
+    """The head over one sequence (features [T, D], tokens [T]) for `steps` draft steps, as decoding
+    runs it: step 1 reads the model's features (plus uniform noise of this size), step s the head's own
+    guesses of step s - 1. Yields (step, guessed features [T, D]): row i guesses f_{i+step}."""
+    T = len(tokens)
+    cache = EarlierSteps()
+    guessed = features
+    if noise:
+        guessed = features + (torch.rand(features.shape, generator=generator) * 2 - 1).to(features) * noise
+    for step in range(1, steps + 1):
+        ahead = torch.cat([tokens[step:], tokens.new_zeros(step)])  # x_{i+step} (0 past the end)
+        positions = torch.arange(T) + step - 1
+        guessed = head(guessed[None], model.embed(ahead)[None], positions, cache=cache, slots=slice(0, T),
+                       mask=unrolled_mask(T, step))[0]
+        yield step, guessed
+
+
+def eagle_loss(model, head: EagleHead, features, tokens, answer_start: int, steps: int = 1,
+               noise: float = FEATURE_NOISE, generator=None) -> torch.Tensor:
+    """EAGLE's loss on one sequence, summed over the draft steps: smooth L1 between the guessed and the
+    model's next features, plus CLASSIFICATION_WEIGHT times the cross-entropy of the draft vocabulary's
+    distribution of the guess against the model's own (over the same rows), on the rows whose predicted
+    token is in the answer (position answer_start on)."""
+    T, total = len(tokens), 0.0
+    for step, guessed in unrolled(model, head, features, tokens, steps, noise, generator):
+        rows = torch.arange(max(0, answer_start - step - 1), T - step)  # row i guesses f_{i+step}, whose
+        if not len(rows):  # next token (at i + step + 1) is in the answer
+            break
+        target = features[rows + step]  # [R, D]
+        regression = F.smooth_l1_loss(guessed[rows], target)
+        teacher = torch.softmax(head.logits(target), dim=-1)  # [R, W]
+        classification = -(teacher * torch.log_softmax(head.logits(guessed[rows]), dim=-1)).sum(-1).mean()
+        total = total + regression + CLASSIFICATION_WEIGHT * classification
+    return total
+
+
+@torch.no_grad()
+def eagle_accuracy(model, head: EagleHead, sequences, steps: int, ranks: int = 10) -> list[list[float]]:
+    """accuracy[s][r]: on held-out sequences (features, tokens, answer_start), how often draft step s+1's
+    rank-r token is the model's own greedy choice there (its LM head over all of the vocabulary), the
+    earlier tokens being the sequence's."""
+    hits, counts = torch.zeros(steps, ranks), torch.zeros(steps, 1)
+    for features, tokens, answer_start in sequences:
+        T = len(tokens)
+        for step, guessed in unrolled(model, head, features, tokens, steps):
+            rows = torch.arange(max(0, answer_start - step - 1), T - step)
+            if not len(rows):
+                break
+            choice = model.lm_head(features[rows + step]).argmax(-1)  # [R]
+            guesses = head.draft_ids[head.logits(guessed[rows]).topk(ranks, dim=-1).indices]  # [R, ranks]
+            hits[step - 1] += (guesses == choice[:, None]).sum(0)
+            counts[step - 1] += len(rows)
+    return (hits / counts.clamp(min=1)).tolist()

@@ -1,0 +1,138 @@
+"""EAGLE (eagle.py): greedy EAGLE equals vanilla greedy token for token on random tiny float64 models with
+random heads; the tree drafted while decoding sees exactly what the training unroll sees (so what the
+head learns is what it is asked); training lowers the loss. (Sampling with EAGLE: test_sampling_decode.py.)"""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from decode import generate
+from kv_cache import KVCache
+from tree import Tree
+from helpers import assert_equals_vanilla_greedy, self_distilled_record, tiny_model
+from methods.eagle import (EagleDrafter, EagleHead, draft_vocabulary, eagle_accuracy, eagle_loss, unrolled,
+                           unrolled_mask)
+
+VOCAB = 16
+
+
+def random_head(model, seed: int, draft_vocab: int = VOCAB) -> EagleHead:
+    """A head with random weights over a random draft vocabulary of `draft_vocab` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(model.config.vocab_size, generator=generator)[:draft_vocab].sort().values
+    head = EagleHead(model.config, ids).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
+    return head.use_lm_head(model.lm_head)
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       max_new=st.integers(1, 40), eos=st.sets(st.integers(0, VOCAB - 1), max_size=2),
+       rows=st.integers(1, 24), depth=st.integers(1, 4), expand=st.integers(1, 4), top_k=st.integers(1, 4),
+       draft_vocab=st.integers(1, VOCAB), head_seed=st.integers(0, 10**6))
+def test_eagle_equals_vanilla_greedy(seed, prompt, max_new, eos, rows, depth, expand, top_k, draft_vocab, head_seed):
+    model = tiny_model(seed, vocab=VOCAB, max_positions=96)
+    drafter = EagleDrafter(model, random_head(model, head_seed, draft_vocab), rows, depth, expand, top_k)
+    assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 3), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10),
+       head_seed=st.integers(0, 10**6))
+def test_the_drafted_tree_sees_what_the_training_unroll_sees(seed, prompt, head_seed):
+    """Every node of a 3-deep tree, drafted with every node expanded, carries the confidence that the
+    training unroll (eagle.unrolled, teacher-forced with the node's path) gives its token: the head's
+    cache, positions and tree mask while decoding are the training's."""
+    model = tiny_model(seed, vocab=VOCAB, max_positions=96)
+    head = random_head(model, head_seed)
+    drafter = EagleDrafter(model, head, inputs=1 + 3 + 9 + 27, depth=3, expand=9, top_k=3)
+    passes = []
+    generate(model, prompt, max_new_tokens=1, eos_ids=set(), drafter=drafter, on_pass=passes.append)
+    tree = drafter.propose()  # after the prefill: the root is its bonus token
+    assert len(tree) == 1 + 3 + 9 + 27
+    history = prompt + [tree.tokens[0]]
+    with torch.no_grad():
+        features = model.hidden_states(torch.tensor([history]), positions=torch.arange(len(history)))[0]
+        for node in range(1, len(tree)):
+            path = []
+            ancestor = node
+            while ancestor:
+                path.insert(0, tree.tokens[ancestor])
+                ancestor = tree.parents[ancestor]
+            tokens = torch.tensor(history + path)
+            padded = torch.cat([features, features.new_zeros(len(path), features.shape[1])])  # (never read)
+            row = len(history) - 2  # step s, row i: the pair at position i + s - 1, guessing f_{i+s}
+            for step, guessed in unrolled(model, head, padded, tokens, steps=len(path)):
+                last = guessed[row]
+            probs = torch.softmax(head.logits(last), dim=-1)
+            expected = probs[(head.draft_ids == path[-1]).nonzero().item()].item()
+            assert abs(tree.evidence[node][0].prior - expected) < 1e-9
+
+
+def test_the_heads_cache_holds_each_positions_feature_and_the_token_after_it():
+    """After a generation whose accepted paths skip nodes (a wrong guess before each right one), the
+    head's cache holds what running it over the whole text, teacher-forced, writes: at position i the
+    pair (the model's feature at i, token i + 1), and nothing of the drafted trees."""
+    model = tiny_model(1, vocab=VOCAB, max_positions=96)
+    prompt = [3, 1, 4, 1, 5]
+    answer = generate(model, prompt, max_new_tokens=16, eos_ids=set()).token_ids
+    text = prompt + answer
+
+    class WrongThenRight(EagleDrafter):
+        def propose(self):
+            super().propose()  # (drafts, and must leave the cache as it found it)
+            done = len(self.history) - len(prompt)
+            right = answer[done:done + 2]
+            wrong = (right[0] + 1) % VOCAB if right else 0
+            return Tree([self.history[-1], wrong, *right], [-1, 0, 0, 2][:2 + len(right)])
+
+    drafter = WrongThenRight(model, random_head(model, 0), inputs=8, depth=3, expand=2, top_k=2)
+    assert generate(model, prompt, max_new_tokens=16, eos_ids=set(), drafter=drafter).token_ids == answer
+    with torch.no_grad():
+        features = model.hidden_states(torch.tensor([text]), positions=torch.arange(len(text)))[0]
+        cache = KVCache(1, model.config.num_kv_heads, model.config.head_dim, len(text), dtype=model.dtype)
+        drafter.head(features[None, :-1], model.embed(torch.tensor(text[1:]))[None], torch.arange(len(text) - 1),
+                     cache=cache, slots=cache.claim(len(text) - 1))
+    written = drafter.cache.length
+    assert written >= len(text) - 3
+    assert torch.allclose(drafter.cache.keys[:, :, :, :written], cache.keys[:, :, :, :written])
+    assert torch.allclose(drafter.cache.values[:, :, :, :written], cache.values[:, :, :, :written])
+
+
+def test_the_unrolled_mask_sees_the_true_history_and_the_own_earlier_steps():
+    mask = unrolled_mask(3, 2)
+    assert mask.tolist() == [[True, False, False, True, False, False],
+                             [True, True, False, False, True, False],
+                             [True, True, True, False, False, True]]
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_then_the_lowest_ids():
+    assert draft_vocabulary([[5, 5, 3], [3, 5, 7]], vocab_size=10, size=3).tolist() == [3, 5, 7]
+    assert draft_vocabulary([[9, 9]], vocab_size=10, size=3).tolist() == [0, 1, 9]
+
+
+def test_eagle_training_lowers_the_loss():
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    records = [self_distilled_record(model, s, VOCAB) for s in range(4)]
+    sequences = []
+    with torch.no_grad():
+        for record in records:
+            tokens = record["prompt_ids"] + record["answer_ids"]
+            features = model.hidden_states(torch.tensor([tokens]), positions=torch.arange(len(tokens)))[0]
+            sequences.append((features, torch.tensor(tokens), len(record["prompt_ids"])))
+    head = EagleHead(model.config, torch.arange(VOCAB)).double().use_lm_head(model.lm_head)
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+
+    def loss():
+        return sum(eagle_loss(model, head, *sequence, steps=2, generator=generator) for sequence in sequences)
+    before = loss().item()
+    for _ in range(60):
+        value = loss()
+        optimizer.zero_grad()
+        value.backward()
+        optimizer.step()
+    assert value.item() < 0.5 * before
+    accuracy = eagle_accuracy(model, head, sequences, steps=2, ranks=4)
+    assert len(accuracy) == 2 and accuracy[0][0] > 0.5
