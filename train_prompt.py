@@ -381,6 +381,7 @@ def cached_sequence_features(model, records, path: Path) -> list[tuple[torch.Ten
         saved = load_file(path)
     else:
         saved = sequence_features(model, records)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with staged_file(path) as tmp:
             save_file(saved, tmp)
     starts = saved["starts"].tolist()
@@ -624,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer positions per step, 1..65536")
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     eagle = command("eagle", "train an EAGLE draft head (its features from one pass of the model over each "
-                    "answer)", epochs=4)
+                    "answer)", records=2000, epochs=3)
     eagle.add_argument("--answers", choices=["sharegpt", "model"], default="sharegpt",
                        help="what the head learns from: ShareGPT's recorded replies run through the model once "
                             "(EAGLE's data), or the model's own greedy answers (self-distillation; generated once)")
