@@ -78,7 +78,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -126,7 +126,7 @@ VARIANTS = {  # --methods name -> (registered method, its options); NAME-fixed: 
     "anpd": ("anpd", {}), "lookahead": ("lookahead", {}),
     "lookahead-parallel": ("lookahead", {"lookahead_mode": "parallel"}),
     "recycling": ("recycling", {}), "speculative": ("speculative", {}), "medusa": ("medusa", {}), "ppd": ("ppd", {}),
-    "ppd-static": ("ppd", {"static_tree": True}), "auto": ("auto", {}),
+    "ppd-static": ("ppd", {"static_tree": True}), "eagle": ("eagle", {}), "auto": ("auto", {}),
 }
 VARIANTS |= {f"{name}-fixed": (method, options | {"fixed_size": True}) for name, (method, options) in VARIANTS.items()}
 # vanilla timed a second time, interleaved with the first: what its "speedup" differs from 1.00x is this
@@ -505,6 +505,7 @@ def bench_acceptance(args, tokenizer, report):
     prompts = [tokenizer.prompt_ids(text, raw=False) for category in args.categories
                for text in bench_data.prompts(category, args.prompts, held_out=True)]
     judged, accepted, per_method = Counter(), Counter(), {}
+    per_depth = {}  # method -> depth -> [passes whose guesses at that depth were judged, of them accepted]
 
     def count(method):
         def watch(step):
@@ -517,10 +518,15 @@ def bench_acceptance(args, tokenizer, report):
                         accepted[key] += outcome == "accepted"
             per_method[method][2] += len(step.emitted)
             per_method[method][3] += 1
+            for depth in range(1, len(step.path) + 1):  # the accepted path's node at depth - 1 ...
+                if step.tree.children[step.path[depth - 1]]:  # ... had guesses after it: they were judged
+                    per_depth[method][depth][0] += 1
+                    per_depth[method][depth][1] += depth < len(step.path)
         return watch
 
     for name in args.methods:
         per_method[name] = [0, 0, 0, 0]  # accepted, judged, tokens, verifying passes
+        per_depth[name] = defaultdict(lambda: [0, 0])
         drafter = variant_drafter(name, model, tokenizer, args)
         progress = Progress(f"  {name}")
         for number, prompt_ids in enumerate(prompts, 1):
@@ -534,6 +540,16 @@ def bench_acceptance(args, tokenizer, report):
                   Column("judged", "judged guesses"), Column("tau", "tau per verifying pass", "{:.2f}")],
                  [[name, a / max(j, 1), j, t / max(p, 1)] for name, (a, j, t, p) in per_method.items()],
                  kind="acceptance")
+    report.table("acceptance by depth: alpha_d = P(a guess at depth d accepted | the path reached d - 1 and "
+                 "guessed on), reach_d = P(the path reaches d) per verifying pass, so tau = 1 + sum of reach_d. "
+                 "A trained guesser's per-position accuracy (its JSON) is teacher-forced: its earlier tokens "
+                 "are right by construction, as alpha_d's are; reach_d multiplies the alphas, and that "
+                 "product is what decides speed",
+                 [Column("method"), Column("depth"), Column("judged", "passes judged"),
+                  Column("alpha_d", fmt="{:.3f}"), Column("reach_d", fmt="{:.3f}")],
+                 [[name, depth, j, a / max(j, 1), a / max(per_method[name][3], 1)]
+                  for name, depths in per_depth.items() for depth, (j, a) in sorted(depths.items())],
+                 kind="acceptance_depths")
     report.table("acceptance per evidence key (cost_aware.py): P(accepted | parent accepted)",
                  [Column("key"), Column("judged"), Column("accepted"), Column("rate", fmt="{:.3f}")],
                  [[" ".join(map(str, key)), judged[key], accepted[key], accepted[key] / judged[key]]

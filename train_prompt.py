@@ -354,39 +354,47 @@ def train_medusa(model, tokenizer, training, held_out, args) -> tuple[dict, dict
 
 # ---- EAGLE --------------------------------------------------------------------------------------
 
+FEATURE_CHUNK = 100  # records per file of cached features: an interrupted computation keeps its finished files
+
+
 @torch.no_grad()
 def sequence_features(model, records) -> dict[str, torch.Tensor]:
-    """The frozen model's features (final hidden states) at every position of every record's prompt and
+    """The frozen model's features (final hidden states) at every position of each record's prompt and
     answer, one pass each, stored in bfloat16 (half the bytes; the head trains in float32) with where
-    each sequence starts, its tokens and where its answer starts. Progress on stderr."""
+    each sequence starts, its tokens and where its answer starts."""
     features, tokens, starts, answer_starts = [], [], [0], []
-    progress = Progress("base model's features")
-    for i, record in enumerate(records):
+    for record in records:
         ids = sequence(record)
         states, _ = base_pass(model, ids)
         features.append(states.to(torch.bfloat16))
         tokens += ids
         starts.append(starts[-1] + len(ids))
         answer_starts.append(len(record["prompt_ids"]))
-        progress.update(f"{i + 1}/{len(records)} sequences")
-    progress.done(f"{len(records)} sequences, {starts[-1]} tokens")
     return {"features": torch.cat(features), "tokens": torch.tensor(tokens), "starts": torch.tensor(starts),
             "answer_starts": torch.tensor(answer_starts)}
 
 
 def cached_sequence_features(model, records, path: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """sequence_features, computed once per data file and kept beside it (the model is frozen), as
-    (features [T, D] float32, tokens [T], answer start) per record."""
-    if path.is_file():
-        saved = load_file(path)
-    else:
-        saved = sequence_features(model, records)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with staged_file(path) as tmp:
-            save_file(saved, tmp)
-    starts = saved["starts"].tolist()
-    return [(saved["features"][a:b].float(), saved["tokens"][a:b], int(answer))
-            for a, b, answer in zip(starts, starts[1:], saved["answer_starts"].tolist())]
+    """sequence_features, computed once per data file and kept beside it (the model is frozen) in files
+    of FEATURE_CHUNK records (path-0.safetensors, ...), so that a stopped run resumes at its last file; as
+    (features [T, D] float32, tokens [T], answer start) per record. Progress on stderr."""
+    sequences = []
+    progress = Progress("base model's features")
+    for first in range(0, len(records), FEATURE_CHUNK):
+        part = path.with_name(f"{path.stem}-{first // FEATURE_CHUNK}{path.suffix}")
+        if part.is_file():
+            saved = load_file(part)
+        else:
+            saved = sequence_features(model, records[first:first + FEATURE_CHUNK])
+            part.parent.mkdir(parents=True, exist_ok=True)
+            with staged_file(part) as tmp:
+                save_file(saved, tmp)
+        starts = saved["starts"].tolist()
+        sequences += [(saved["features"][a:b].float(), saved["tokens"][a:b], int(answer))
+                      for a, b, answer in zip(starts, starts[1:], saved["answer_starts"].tolist())]
+        progress.update(f"{len(sequences)}/{len(records)} sequences")
+    progress.done(f"{len(records)} sequences, {sum(len(tokens) for _, tokens, _ in sequences)} tokens")
+    return sequences
 
 
 def train_eagle(model, tokenizer, training, held_out, args) -> tuple[dict, dict]:
@@ -625,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer positions per step, 1..65536")
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     eagle = command("eagle", "train an EAGLE draft head (its features from one pass of the model over each "
-                    "answer)", records=2000, epochs=3)
+                    "answer)", records=1200, epochs=3)
     eagle.add_argument("--answers", choices=["sharegpt", "model"], default="sharegpt",
                        help="what the head learns from: ShareGPT's recorded replies run through the model once "
                             "(EAGLE's data), or the model's own greedy answers (self-distillation; generated once)")

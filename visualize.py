@@ -88,7 +88,8 @@ def tree_rows(tree, extra: dict) -> dict:
 
 
 def tree_figure(step: Pass, text_of, title: str):
-    """The candidate tree of one pass, the accepted path and bonus token highlighted."""
+    """The candidate tree of one pass, the accepted path and bonus token highlighted, each guess with its
+    guesser's chance for it (p: EAGLE's draft confidence, Medusa's measured accuracy, ...)."""
     tree, verdict = step.tree, step.verdict
     outcomes = step.outcomes()
     labels = [label(text_of([token])) for token in tree.tokens]
@@ -128,6 +129,10 @@ def tree_figure(step: Pass, text_of, title: str):
     for node in range(len(tree)):
         kind = "root" if node == 0 else outcomes[node]
         box(node, labels[node], kind, lw=2 if kind == "accepted" else 1, gid=f"node-{node}-{kind}")
+        if node and tree.evidence[node]:  # the guesser's own chance for it, above it (cost-aware's prior)
+            x, y = at(node)
+            ax.text(x + 0.05, y - 0.245, f"p {max(prior for _, prior in tree.evidence[node]):.2f}", fontsize=7,
+                    color="#555555", va="center", family="monospace")
         if kind == "rejected":  # what the model chose instead, under the refused guess
             x, y = at(node)
             ax.text(x + 0.05, y + 0.245, f"model: {label(text_of([step.choices[tree.parents[node]]]), 10)}",

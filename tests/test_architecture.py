@@ -29,7 +29,7 @@ TIERS = [  # a module may import modules of its own tier or lower ones, never hi
      "programs.lists_due", "programs.charts", "model", "kv_cache", "tree", "sampling", "tokenizer",
      "checkpoint"],  # foundations: the model, its parts, and files, data and progress
     ["verify", "drafters", "decode"],  # the guess-and-verify loop and its guessers: the reference core
-    ["methods", "methods.latency", "methods.cost_aware", "methods.artifacts", "methods.recycling", "methods.medusa",
+    ["methods", "methods.latency", "methods.cost_aware", "methods.artifacts", "methods.recycling", "methods.medusa", "methods.eagle",
      "methods.ppd", "methods.combined", "methods.apar", "methods.apar_quality", "training", "training.self_distill",
      "training.apar_finetune", "programs.prompts"],  # the other methods, their training, and their parts
     ["backends", "backends.cpu_kernels", "backends.cpu_bfloat16", "backends.cuda_graphs", "backends.cpu_compiled",

@@ -7,6 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from decode import generate
 from kv_cache import KVCache
+from methods.cost_aware import Costs
+from methods.latency import Latency
 from tree import Tree
 from helpers import assert_equals_vanilla_greedy, self_distilled_record, tiny_model
 from methods.eagle import (EagleDrafter, EagleHead, draft_vocabulary, eagle_accuracy, eagle_loss, unrolled,
@@ -136,3 +138,19 @@ def test_eagle_training_lowers_the_loss():
     assert value.item() < 0.5 * before
     accuracy = eagle_accuracy(model, head, sequences, steps=2, ranks=4)
     assert len(accuracy) == 2 and accuracy[0][0] > 0.5
+
+
+def test_the_draft_goes_deeper_only_while_a_step_could_pay_for_its_time():
+    """A draft step costs its measured seconds; the guesses one more depth adds are right with a chance of
+    at most the frontier's values added up, each worth about a pass, L(1). Where a pass is nearly free,
+    one step is all that is drafted (depth 1); where it is dear, every depth is."""
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    head = random_head(model, 0)
+    depths = {}
+    for name, pass_seconds in [("free", 1e-12), ("dear", 1e3)]:
+        costs = Costs(Latency({1: pass_seconds}))
+        drafter = EagleDrafter(model, head, inputs=40, depth=4, expand=2, top_k=2, costs=costs)
+        generate(model, [1, 2, 3], max_new_tokens=1, eos_ids=set(), drafter=drafter)
+        drafter.step_seconds = [1e-3]  # as measured
+        depths[name] = max(drafter.propose().depths)
+    assert depths == {"free": 1, "dear": 4}

@@ -7,6 +7,7 @@ import torch
 import train_prompt
 from helpers import self_distilled_record, tiny_model
 from methods.ppd import SoftTokens, initial_embeddings
+from training.self_distill import base_pass
 
 VOCAB = 16
 
@@ -56,6 +57,8 @@ def test_a_resume_point_that_does_not_record_its_runs_is_not_resumed(tmp_path, c
     (["ppd", "--epochs", "1" + "0" * 30], "--epochs"), (["ppd", "--soft-tokens", "8", "--ensembles", "16"], "64"),
     (["apar", "--answers", "humans"], "--answers"), (["apar", "--answers", "sharegpt", "--sampled-answers", "2"], "--sampled-answers"),
     (["apar", "--answers", "sharegpt", "--answer-batch", "8"], "--answer-batch"),
+    (["eagle", "--steps", "0"], "--steps"), (["eagle", "--answers", "humans"], "--answers"),
+    (["eagle", "--draft-vocab", "0"], "--draft-vocab"),
 ])
 def test_training_options_are_checked_before_any_work(capsys, argv, fragment):
     try:
@@ -83,6 +86,27 @@ def test_each_subcommand_has_its_own_defaults():
     assert (medusa["records"], medusa["epochs"]) == (480, 4)
     assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (3000, 512, 192, 2)
     assert vars(parser.parse_args(["data"]))["records"] == 480
+    eagle = vars(parser.parse_args(["eagle"]))
+    assert (eagle["records"], eagle["epochs"], eagle["answers"], eagle["steps"]) == (1200, 3, "sharegpt", 2)
+
+
+def test_eagle_features_are_cached_in_parts_and_a_stopped_run_reuses_the_finished_ones(tmp_path, monkeypatch):
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    records = [self_distilled_record(model, seed, VOCAB) for seed in range(5)]
+    monkeypatch.setattr(train_prompt, "FEATURE_CHUNK", 2)
+    path = tmp_path / "features.safetensors"
+    whole = train_prompt.cached_sequence_features(model, records, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"features-{k}.safetensors" for k in range(3)]
+    (tmp_path / "features-1.safetensors").unlink()  # stopped while making the second part
+    passes = []
+    monkeypatch.setattr(train_prompt, "base_pass", lambda model, ids: passes.append(ids) or base_pass(model, ids))
+    again = train_prompt.cached_sequence_features(model, records, path)
+    assert passes == [records[2]["prompt_ids"] + records[2]["answer_ids"],
+                      records[3]["prompt_ids"] + records[3]["answer_ids"]]
+    for (features, tokens, start), (features_again, tokens_again, start_again) in zip(whole, again, strict=True):
+        assert torch.equal(features, features_again) and torch.equal(tokens, tokens_again) and start == start_again
+    assert whole[1][1].tolist() == records[1]["prompt_ids"] + records[1]["answer_ids"]
+    assert whole[1][2] == len(records[1]["prompt_ids"])
 
 
 def test_apar_stops_an_answer_once_it_loops():
