@@ -30,7 +30,7 @@ NEW_TOKENS = 48
 # machine to machine) is then too small to sway them, so the trace is the same on any machine
 LATENCY = Latency({1: 22.15, 2: 35.94, 8: 41.3, 16: 53.8, 32: 88.4})
 FOLDERS = ("backends", "methods", "training", "programs")  # ours, beside the top level's files
-ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "auto", "apar"]
+ORDER = ["vanilla", "anpd", "lookahead", "recycling", "speculative", "medusa", "ppd", "eagle", "auto", "apar"]
 
 
 def traced(run) -> set[tuple[str, str]]:
