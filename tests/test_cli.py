@@ -138,7 +138,7 @@ def broken_copy(tiny_folder, tmp_path, edit_config=None, edit_weights=None):
     (["--method", "anpd", "--prompt", ""], ["empty"]),
     (["--method", "ppd", "--tree-rows", "1"], ["--tree-rows", "2..256"]),
     (["--method", "medusa", "--static-tree"], ["--static-tree", "--method ppd"]),
-    (["--method", "anpd", "--tree-rows", "8"], ["--tree-rows", "--method recycling, medusa and ppd"]),
+    (["--method", "anpd", "--tree-rows", "8"], ["--tree-rows", "--method recycling, medusa, ppd and eagle"]),
     (["--method", "ppd", "--trained", "/nonexistent/ppd"], ["no ppd artifact", "train_prompt.py ppd"]),
     (["--method", "medusa"], ["no medusa artifact at", "medusa-tiny", "train_prompt.py medusa"]),
     (["--method", "ppd", "--trained", str(ROOT / "trained" / "ppd-SmolLM2-135M-Instruct")],

@@ -143,7 +143,7 @@ def test_the_command_line_saves_every_figure(tiny_folder, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["step", "--method", "anpd", "--pass", "999"], "the answer took only"),
-    (["step", "--method", "anpd", "--tree-rows", "8"], "--tree-rows applies to --method recycling, medusa and ppd only"),
+    (["step", "--method", "anpd", "--tree-rows", "8"], "--tree-rows applies to --method recycling, medusa, ppd and eagle only"),
     (["answer", "--methods", "anpd", "--gamma", "2"], "--gamma applies to --method speculative only"),
     (["cost", "--method", "anpd", "--fixed-size"], "there is no cut to draw"),
 ])
