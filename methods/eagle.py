@@ -289,6 +289,12 @@ def unrolled(model, head: EagleHead, features, tokens, steps: int, noise: float 
         yield step, guessed
 
 
+def answer_rows(T: int, step: int, answer_start: int) -> torch.Tensor:
+    """The rows of draft step `step` over a sequence of T tokens that are judged: row i guesses f_{i+step},
+    whose next token (at i + step + 1) must be in the answer (position answer_start on) and exist."""
+    return torch.arange(max(0, answer_start - step - 1), T - step)
+
+
 def eagle_loss(model, head: EagleHead, features, tokens, answer_start: int, steps: int = 1,
                noise: float = FEATURE_NOISE, generator=None) -> torch.Tensor:
     """EAGLE's loss on one sequence, summed over the draft steps: smooth L1 between the guessed and the
@@ -297,8 +303,8 @@ def eagle_loss(model, head: EagleHead, features, tokens, answer_start: int, step
     token is in the answer (position answer_start on)."""
     T, total = len(tokens), 0.0
     for step, guessed in unrolled(model, head, features, tokens, steps, noise, generator):
-        rows = torch.arange(max(0, answer_start - step - 1), T - step)  # row i guesses f_{i+step}, whose
-        if not len(rows):  # next token (at i + step + 1) is in the answer
+        rows = answer_rows(T, step, answer_start)
+        if not len(rows):
             break
         target = features[rows + step]  # [R, D]
         regression = F.smooth_l1_loss(guessed[rows], target)
@@ -317,7 +323,7 @@ def eagle_accuracy(model, head: EagleHead, sequences, steps: int, ranks: int = 1
     for features, tokens, answer_start in sequences:
         T = len(tokens)
         for step, guessed in unrolled(model, head, features, tokens, steps):
-            rows = torch.arange(max(0, answer_start - step - 1), T - step)
+            rows = answer_rows(T, step, answer_start)
             if not len(rows):
                 break
             choice = model.lm_head(features[rows + step]).argmax(-1)  # [R]
