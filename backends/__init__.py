@@ -50,6 +50,13 @@ def apply(model, name: str, max_rows: int):
     return model if module is None else module.apply(model, max_rows)
 
 
+def draft_head(model, head):
+    """EAGLE's draft head (methods/eagle.py) run by the backend `model` was given where it has a way to
+    (the fused loops: cpu_fused.FusedDraftHead), else as it is."""
+    runner = getattr(model, "draft_head", None)
+    return head if runner is None else runner(head)
+
+
 def backend_module(name: str):
     if name not in BACKENDS:
         raise UserError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -294,27 +294,87 @@ class FusedModel:
         """model.hidden_states, as one fused pass where it can run it (see the module docstring)."""
         if embeds is None:
             embeds = self.model.embed(tokens)
-        B, T, _ = embeds.shape
-        if T > MAX_ROWS or B > 1 or type(cache) is not KVCache or cache.keys.shape[1] != 1 or embeds.requires_grad:
+        if not fusable(embeds, cache):
             return self.model.hidden_states(embeds=embeds, positions=positions, cache=cache, slots=slots, mask=mask)
-        slot_numbers = np.arange(cache.length)[slots if isinstance(slots, slice) else slots.numpy()]  # [T]
-        if mask is None:  # as model.hidden_states: the whole cache before the new inputs, causal among them
-            seen = np.arange(cache.length)
-            allowed = seen[None, :] <= slot_numbers[:, None]  # [T, S]
-        else:
-            allowed = mask.reshape(T, -1).numpy()
-        numba_threads_as_torch()
-        x, positions = embeds[0].numpy().copy(), positions.reshape(T).numpy()
-        hidden = np.empty((T, embeds.shape[2]), dtype=np.float32)
-        layers_pass(x, self.norm_arrays, self.matrix_arrays, positions, self.inv_freq_array, cache.keys.numpy(),
-                    cache.values.numpy(), slot_numbers, allowed, self.config.num_heads, self.config.num_kv_heads,
-                    self.config.rms_norm_eps, self.pairs, hidden)
+        T = embeds.shape[1]
+        x, hidden = embeds[0].numpy().copy(), np.empty((T, embeds.shape[2]), dtype=np.float32)
+        fused_layers(x, self.norm_arrays, self.matrix_arrays, self.inv_freq_array, self.config, positions, cache, slots,
+                     mask, self.pairs, hidden)
         return torch.from_numpy(hidden).view(1, T, -1)
 
     def logits(self, hidden):
         """[..., D] -> [..., V] by the same product loop, whatever the number of rows."""
-        rows = hidden.reshape(-1, hidden.shape[-1]).numpy()
-        out = np.empty((len(rows), self.config.vocab_size), dtype=np.float32)
-        numba_threads_as_torch()
-        products(self.lm_head_array, np.ascontiguousarray(rows), out, self.pairs)
-        return torch.from_numpy(out).view(*hidden.shape[:-1], -1)
+        return product_rows(self.lm_head_array, hidden, self.pairs)
+
+    def draft_head(self, head) -> "FusedDraftHead":
+        """EAGLE's draft head (methods/eagle.py) run by the same loops."""
+        return FusedDraftHead(head, self.pairs)
+
+
+def fusable(embeds: torch.Tensor, cache) -> bool:
+    """Whether a pass over `embeds` ([B, T, D]) into `cache` can run fused (see the module docstring)."""
+    B, T, _ = embeds.shape
+    return T <= MAX_ROWS and B == 1 and type(cache) is KVCache and cache.keys.shape[1] == 1 and not embeds.requires_grad
+
+
+def fused_layers(x, norms, matrices, inv_freq, config, positions, cache, slots, mask, pairs, out) -> None:
+    """layers_pass over the rows of x ([T, D], numpy, overwritten: the residual stream), their positions,
+    slots and mask given as to model.hidden_states; the final norm (norms' last) into out [T, D]."""
+    T = x.shape[0]
+    slot_numbers = np.arange(cache.length)[slots if isinstance(slots, slice) else slots.numpy()]  # [T]
+    if mask is None:  # as model.hidden_states: the whole cache before the new inputs, causal among them
+        seen = np.arange(cache.length)
+        allowed = seen[None, :] <= slot_numbers[:, None]  # [T, S]
+    else:
+        allowed = mask.reshape(T, -1).numpy()
+    numba_threads_as_torch()
+    layers_pass(x, norms, matrices, positions.reshape(T).numpy(), inv_freq, cache.keys.numpy(), cache.values.numpy(),
+                slot_numbers, allowed, config.num_heads, config.num_kv_heads, config.rms_norm_eps, pairs, out)
+
+
+def product_rows(weight, rows: torch.Tensor, pairs) -> torch.Tensor:
+    """[..., I] -> [..., O]: rows W^T by `products`, for W (numpy) [O, I]."""
+    flat = np.ascontiguousarray(rows.reshape(-1, rows.shape[-1]).numpy())
+    out = np.empty((len(flat), weight.shape[0]), dtype=np.float32)
+    numba_threads_as_torch()
+    products(weight, flat, out, pairs)
+    return torch.from_numpy(out).view(*rows.shape[:-1], -1)
+
+
+class FusedDraftHead:
+    """EAGLE's draft head (methods/eagle.py `EagleHead`) with its decoder layer as a fused pass of one
+    layer and its linear layer and draft logits by the same product loop. The layer's output is the
+    residual stream layers_pass leaves in its input (the head has no final norm: the norm it is given,
+    all ones, writes into a scratch array). Everything else (draft_ids, config, training) is the head's."""
+
+    def __init__(self, head, pairs):
+        self.head, self.pairs = head, pairs
+        block = head.layer
+        self.norm_arrays = numba.typed.List([block.attention_norm.weight.detach().float().numpy(),
+                                             block.mlp_norm.weight.detach().float().numpy(),
+                                             np.ones(head.config.hidden_size, dtype=np.float32)])
+        self.matrix_arrays = numba.typed.List([m.weight.detach().float().numpy() for m in (
+            block.attention.wqkv, block.attention.wo, block.mlp.w_gate_up, block.mlp.w_down)])
+        self.fc_array, self.fc_bias = head.fc.weight.detach().float().numpy(), head.fc.bias.detach().float()
+        self.draft_lm_head_array = np.ascontiguousarray(head.draft_lm_head.float().numpy())
+        self.inv_freq_array = head.inv_freq.to(torch.float32).numpy()
+
+    def __getattr__(self, name):  # called only for what FusedDraftHead does not define itself
+        return getattr(self.head, name)
+
+    def __call__(self, features, embeddings, positions, cache=None, slots=None, mask=None):
+        """EagleHead.forward, fused where the pass can be (`fusable`)."""
+        if features.dtype != torch.float32 or not fusable(features, cache):
+            return self.head(features, embeddings, positions, cache, slots, mask)
+        T = features.shape[1]
+        x = product_rows(self.fc_array, torch.cat([embeddings, features], dim=-1)[0], self.pairs) + self.fc_bias
+        x, scratch = x.numpy(), np.empty_like(x.numpy())
+        fused_layers(x, self.norm_arrays, self.matrix_arrays, self.inv_freq_array, self.config, positions, cache, slots,
+                     mask, self.pairs, scratch)
+        return torch.from_numpy(x).view(1, T, -1)
+
+    def logits(self, features):
+        """[..., D] -> [..., W]: EagleHead.logits by the product loop."""
+        if features.requires_grad:
+            return self.head.logits(features)
+        return product_rows(self.draft_lm_head_array, features, self.pairs)

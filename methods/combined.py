@@ -6,6 +6,8 @@ Sources, each a drafter of its own (drafters.py, ppd.py):
 - ANPD's multi-level n-grams of the prompt and the output so far (Ou et al. 2024, section 3);
 - Lookahead's trie of prompts and earlier outputs, which lives as long as the process (Zhao et al.
   2023, section 4.3);
+- EAGLE's draft tree (eagle.py: Li et al. 2024), when its head is trained for the model, drafted only on
+  the passes where its trees have lately paid for their draft steps;
 - PPD's trained soft tokens (Chen et al. 2024, section 3), when they exist for the model and pay on
   this machine: they ride on the root of every pass, so a pass that accepts no guess leaves the next
   one their guesses. PPD reports its method orthogonal to speculative decoding and combinable with
@@ -114,8 +116,9 @@ class CombinedDrafter(Drafter):
 
 
 def combined_drafter(ngram: NGramDrafter, trie: TrieDrafter, ppd: PPDDrafter | None, latency,
-                     costs=None) -> CombinedDrafter:
-    """ANPD's n-grams and Lookahead's trie, and PPD's soft tokens where they pay on this machine: a
+                     costs=None, eagle: Drafter | None = None) -> CombinedDrafter:
+    """ANPD's n-grams and Lookahead's trie, EAGLE's tree if given (it drafts only while its trees pay:
+    eagle.EagleDrafter.worth_drafting), and PPD's soft tokens where they pay on this machine: a
     pass carrying them costs L(1 + S) for S soft-token inputs instead of L(1), and (when it accepts
     no other guess) gives the next pass 1 + f tokens, f the expected accepted guesses of PPD's tree
     (its held-out accuracies): they are carried when L(1 + S) / L(1) < 1 + f (PPD section 4.2's
@@ -126,4 +129,4 @@ def combined_drafter(ngram: NGramDrafter, trie: TrieDrafter, ppd: PPDDrafter | N
         gain = ppd.predicted_tokens_per_pass
         if latency(inputs) / latency(1) < gain:
             soft = SoftTokensOnRoot(ppd)
-    return CombinedDrafter([ngram, trie], soft, costs)
+    return CombinedDrafter([ngram, trie] + ([eagle] if eagle else []), soft, costs)

@@ -147,6 +147,19 @@ def best_subtree_nodes(tree: Tree, p: Sequence[float], latency: Callable[[int], 
     return [0] + sorted(order[:best_k])
 
 
+def best_rate(reached: Sequence[float], most: int, latency: Callable[[int], float], seconds: float = 0.0) -> float:
+    """The most expected tokens per second of a pass that sends at most `most` of the guesses whose
+    chances of acceptance are `reached` (the likeliest first; each one input), when `seconds` more are
+    spent on it: max over k of (1 + the k highest chances) / (L(1 + k) + seconds). The chances must be
+    of a tree whose parents are at least as likely as their children, for its prefixes to be trees."""
+    expected = 1.0
+    best = expected / (latency(1) + seconds)
+    for k, chance in enumerate(sorted(reached, reverse=True)[:most], start=1):
+        expected += chance
+        best = max(best, expected / (latency(1 + k) + seconds))
+    return best
+
+
 def best_subtree(tree: Tree, p: Sequence[float], latency: Callable[[int], float]) -> Tree:
     """The subtree (root included) of the largest expected tokens per second (best_subtree_nodes)."""
     nodes = best_subtree_nodes(tree, p, latency)

@@ -14,14 +14,16 @@ Read in this order:
    weights, so a draft step through all of it would read a fifth of what a pass reads, and through
    8192 rows a thirtieth.
 2. `EagleDrafter` (EAGLE-2 section 4): the head keeps its own one-layer K/V cache over the history
-   (after each pass, one row per accepted node: that node's feature and the token after it). Drafting
+   (the prompt's last PROMPT_WINDOW positions on; one row per accepted node: that node's feature and
+   the token after it), read when it next drafts (`read_history`). Drafting
    then grows a tree one depth at a time (4.1, "Expansion"): the frontier is the `expand` nodes of
    highest *value*, the product of the draft's confidences along the path (an estimate of the chance
    the node is accepted), and each frontier node's `top_k` children join the tree. The tree's best
    nodes by value are kept (4.2, "Reranking"; a child's value never exceeds its parent's, so they form
    a tree) and cost-aware drafting (cost_aware.py) cuts them to what pays, with the draft's confidence
    as each guess's prior. A depth is drafted only while its nodes could pay for the step's time
-   (`worth_another_step`).
+   (`worth_another_step`), and a pass is drafted for only while the trees drafted lately made their
+   passes faster than they would have been without them (`worth_drafting`, `realized_gain`).
 3. `eagle_loss` (EAGLE section 3.2, EAGLE-3 section 3.2): with the model frozen, the head learns to
    regress the next feature (smooth L1) and to match the model's next-token distribution through the
    LM head (cross-entropy, weight CLASSIFICATION_WEIGHT), over `steps` draft steps: step s feeds the
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods import artifacts
+from methods.cost_aware import best_rate
 from drafters import Drafter, Request
 from kv_cache import KVCache
 from model import Block, LlamaConfig, at_least_float32, causal_mask, rope_inverse_frequencies, rotary_cos_sin
@@ -103,9 +106,15 @@ class EagleDrafter(Drafter):
 
     expand: frontier nodes per depth; top_k: children drafted per frontier node; depth: draft steps."""
 
+    WARM_UP = 2  # trees drafted before their gains decide (the first reads the prompt)
+    # the head reads the prompt's last positions only: through all of a 2,000-token RAG prompt, its first
+    # reading cost a few passes; a guess of the next feature leans on the latest ones
+    PROMPT_WINDOW = 64
+
     def __init__(self, model, head: EagleHead, inputs: int, depth: int = 5, expand: int = 4, top_k: int = 4,
                  costs=None):
-        self.model, self.head = model, head.requires_grad_(False)
+        head.requires_grad_(False)
+        self.model, self.head = model, head
         self.size, self.depth, self.expand, self.top_k = inputs - 1, depth, expand, top_k
         self.max_extra_inputs = self.size
         self.costs = costs  # cost-aware drafting (cost_aware.Costs): what a draft step may cost
@@ -116,9 +125,13 @@ class EagleDrafter(Drafter):
         capacity = (request.max_length or c.max_positions) + self.depth * self.expand + 1
         self.cache = KVCache(1, c.num_kv_heads, c.head_dim, capacity, dtype=self.model.dtype, device=self.model.device)
         self.pending: list[torch.Tensor] = []  # [n, D] features of accepted nodes the head has not read yet
+        self.unread = 0  # the prompt's first positions, which the head never reads (PROMPT_WINDOW)
         self.step_seconds: list[float] = []  # each draft step's time (a frontier through the head)
-        self.draft_seconds: list[float] = []  # each proposal's whole time, when the head drafted
-        self.last_tree: Tree | None = None  # the latest tree drafted: the shape cost-aware drafting judges
+        self.child_confidence: list[float] = [0.5]  # the draft's confidence in a drafted node's likeliest child
+        self.steady_reads: list[float] = []  # each reading of one pass's accepted nodes (read_history)
+        self.drafted_last = False  # whether the head drafted for the last pass (so has read all but it)
+        self.gains: list[float] = []  # per tree drafted: what drafting it made its pass's rate (realized_gain)
+        self.tree_seconds = 0.0  # the latest tree's drafting, after the reading of the history
 
     def after_pass(self, done):
         """Keep the accepted nodes' features (each with the token after it, now in the history): the head
@@ -127,13 +140,18 @@ class EagleDrafter(Drafter):
         super().after_pass(done)
         followers = len(self.history) - done.cache_length - 1  # the accepted nodes with a token after them
         self.pending.append(done.hidden[done.path[:followers]])  # [n, D]
+        if self.costs is not None and self.drafted_last and done.verdict is not None:
+            self.gains.append(self.realized_gain(done))
 
     def read_history(self) -> torch.Tensor | None:
         """Run the head over every history position it has not read, the pair (the model's feature there,
         the next token), into its cache: [D], its guess of the root's feature (None: nothing to read)."""
         features = torch.cat(self.pending)  # [n, D]
         self.pending = []
-        start = self.cache.length
+        if self.cache.length == 0 and len(features) > self.PROMPT_WINDOW:
+            self.unread = len(features) - self.PROMPT_WINDOW
+            features = features[self.unread:]
+        start = self.unread + self.cache.length  # the position of the first pair read
         if not len(features):
             return None
         tokens = torch.tensor(self.history[start + 1:start + 1 + len(features)], device=self.model.device)
@@ -144,31 +162,64 @@ class EagleDrafter(Drafter):
 
     def propose(self) -> Tree:
         """EAGLE-2's expansion and reranking (sections 4.1, 4.2) from the head's guess of the root's
-        feature; nothing where cost-aware drafting says the head's time would not pay (on this machine,
-        as this generation's verdicts of its guesses stand: cost_aware.Costs.worth_running)."""
+        feature; nothing where cost-aware drafting says the head's time would not pay (`worth_drafting`)."""
         root = Tree.chain(self.history[-1], [])
-        if self.size == 0 or (self.costs is not None and self.last_tree is not None
-                              and not self.costs.worth_running(self.last_tree, self.draft_seconds)):
+        drafted_last, self.drafted_last = self.drafted_last, False
+        if self.size == 0 or not self.worth_drafting():
             return root
         started = time.perf_counter()
         guessed = self.read_history()
+        read = time.perf_counter()
         if guessed is None:
             return root
         tree = self.drafted(guessed)
-        self.draft_seconds.append(time.perf_counter() - started)
-        self.last_tree = tree
+        self.drafted_last = True
+        if drafted_last or not self.steady_reads:
+            self.steady_reads.append(read - started)
+        self.tree_seconds = time.perf_counter() - read
         return tree
+
+    def realized_gain(self, done) -> float:
+        """What the head's tree made the pass `done` worth: its tokens per second (the pass's L(n) and the
+        head's drafting, its reading of the history priced as one pass's: the median of the latest) over
+        what the pass would have made without the head's guesses (in `auto` other sources guess too; a
+        guess another source made as well is theirs). What was accepted, not what the draft expected,
+        so that over-confident guesses stop the drafting too."""
+        others = [node for node in range(len(done.tree))
+                  if not node or any(key[0] != "eagle" for key, _ in done.tree.evidence[node])]
+        accepted = done.path[:1 + done.guesses_kept]
+        accepted_without = next((i for i, node in enumerate(accepted) if node not in others), len(accepted))
+        reads = self.steady_reads[-9:] if len(self.steady_reads) == 1 else self.steady_reads[1:][-9:]
+        seconds = self.tree_seconds + sorted(reads)[len(reads) // 2]
+        latency = self.costs.latency
+        with_head = len(accepted) / (latency(done.tree.input_count) + seconds)
+        return with_head / (accepted_without / latency(len(others)))
+
+    def worth_drafting(self) -> bool:
+        """Whether to draft this pass: always without cost-aware drafting; with it, once L(1) is measured,
+        while the trees drafted lately made their passes faster on average than the root alone would have
+        been (their realized gains over 1), for its first WARM_UP trees, and on Costs' probes (a pass it skips counts as one whose
+        guesses were cut): how well the head guesses changes with the text, and a tree costs its steps
+        whatever is sent."""
+        if self.costs is None:
+            return True
+        if not self.costs.latency.measured_enough(1):
+            return False
+        if len(self.gains) < self.WARM_UP or self.costs.idle >= self.costs.probe_after or sum(self.gains[-8:]) > len(self.gains[-8:]):
+            return True
+        self.costs.idle += 1
+        return False
 
     def drafted(self, guessed: torch.Tensor) -> Tree:
         """The tree grown from `guessed`, the head's guess of the root's feature."""
-        history = self.cache.length  # the root sits at this position
+        started, history = time.perf_counter(), self.cache.length  # the root sits at this position
         # the tree so far: per node its token, parent, depth, value and the draft's confidence in it
         tokens, parents, depths, values, confidences = [self.history[-1]], [-1], [0], [1.0], [1.0]
         feature_of = {0: guessed}  # node -> the head's guess of its feature: its children's logits
         slot_of = {}  # drafted node -> its row in the head's cache
         expanded = [0]  # the nodes whose children this depth drafts
         for depth in range(1, self.depth + 1):
-            started = time.perf_counter()
+            step_started = time.perf_counter()
             features = torch.stack([feature_of[node] for node in expanded])  # [F, D]
             logits = self.head.logits(features)  # [F, W]
             log_probs = torch.log_softmax(logits.to(at_least_float32(logits.dtype)), dim=-1)
@@ -182,13 +233,14 @@ class EagleDrafter(Drafter):
                     confidences.append(math.exp(log_p))
                     values.append(values[node] * confidences[-1])
                     children.append(len(tokens) - 1)
+            if depth > 1:
+                self.child_confidence += top.values[:, 0].exp().tolist()
             frontier = sorted(children, key=lambda node: -values[node])[:self.expand]
-            if depth == self.depth or not self.worth_another_step(frontier, values):
-                self.step_seconds.append(time.perf_counter() - started)
+            if depth == self.depth or not self.worth_another_step(frontier, values, time.perf_counter() - started):
                 break
             self.step(frontier, tokens, parents, feature_of, slot_of, history, depth)
             expanded = frontier
-            self.step_seconds.append(time.perf_counter() - started)
+            self.step_seconds.append(time.perf_counter() - step_started)
         self.cache.truncate(history)
         return self.reranked(tokens, parents, depths, values, confidences)
 
@@ -208,22 +260,26 @@ class EagleDrafter(Drafter):
             while ancestor:  # (the root's own row is the history's last)
                 mask[row, slot_of[ancestor]] = True
                 ancestor = parents[ancestor]
-        positions = torch.full((len(frontier),), history + depth - 1, device=device)
+        positions = torch.full((len(frontier),), self.unread + history + depth - 1, device=device)
         guessed = self.head(features[None], embeddings[None], positions, cache=self.cache, slots=slots,
                             mask=mask.to(device))
         for row, node in enumerate(frontier):
             feature_of[node] = guessed[0, row]
 
-    def worth_another_step(self, frontier, values) -> bool:
-        """Whether drafting one depth more could pay for its time: the guesses it adds are accepted with
-        a chance of at most the frontier's values added up (different tokens at one position: at most
-        one is right, so at most 1), each worth a token, about a pass's time L(1); a step costs what the
-        steps so far took. Without cost-aware drafting: always."""
+    def worth_another_step(self, frontier, values, spent: float) -> bool:
+        """Whether drafting one depth more pays for its time (SpecDec++'s rule, with a step priced as
+        measured): the best tokens per second the tree could reach now, against the same with each frontier
+        node's likeliest child added, at the frontier node's value times the draft's mean confidence in
+        its likeliest child so far (`child_confidence`), and a step's time (the mean of the last steps)
+        added to the `spent` seconds of this proposal. Without cost-aware drafting: always."""
         if self.costs is None or not self.step_seconds:
             return True
-        chance = min(1.0, sum(values[node] for node in frontier))
         step = sum(self.step_seconds[-16:]) / len(self.step_seconds[-16:])
-        return chance * self.costs.latency(1) > step
+        confidence = sum(self.child_confidence[-64:]) / len(self.child_confidence[-64:])
+        drafted = values[1:]
+        deeper = drafted + [values[node] * confidence for node in frontier]
+        return (best_rate(deeper, self.size, self.costs.latency, spent + step)
+                > best_rate(drafted, self.size, self.costs.latency, spent))
 
     def reranked(self, tokens, parents, depths, values, confidences) -> Tree:
         """The `size` drafted nodes of highest value (EAGLE-2 section 4.2; ties: the shallower, so a
@@ -237,14 +293,18 @@ class EagleDrafter(Drafter):
                     evidence=evidence)
 
 
-def load_drafter(model, path: Path, inputs: int, costs=None) -> EagleDrafter:
+def load_head(model, path: Path) -> EagleHead:
     """The head saved at `path` by train_prompt.py (checked to be made for `model`)."""
     tensors, meta = artifacts.load(path, "eagle", model)
     with artifacts.unpacking(path, "eagle"):
         head = EagleHead(model.config, tensors["draft_ids"]).to(model.device)
         head.load_state_dict(tensors)
-        head = head.to(model.dtype).use_lm_head(model.lm_head).eval()
-        return EagleDrafter(model, head, inputs, costs=costs)
+        return head.to(model.dtype).use_lm_head(model.lm_head).eval()
+
+
+def load_drafter(model, path: Path, inputs: int, costs=None) -> EagleDrafter:
+    """EAGLE's drafter with the head saved at `path`."""
+    return EagleDrafter(model, load_head(model, path), inputs, costs=costs)
 
 
 # ---- training (the model frozen) -------------------------------------------------------------------

@@ -42,6 +42,7 @@ from tokenizer import Tokenizer, check_fits
 DEFAULT_DRAFT_LAYERS = 4
 DEFAULT_TREE_ROWS = 6  # medusa and ppd without --calibrate (measured: docs/constants.md)
 EAGLE_TREE_ROWS = 16  # eagle without --calibrate: its dynamic tree's nodes at most, the root included
+AUTO_EAGLE_ROWS = 6  # EAGLE's tree in auto's: one source among several, each tree merged into one
 MAX_TREE_ROWS = 256  # the most --tree-rows (docs/constants.md)
 MAX_LAYERS = 1024  # --draft-layers: the model's own count is checked once it is loaded
 
@@ -88,8 +89,11 @@ class Build:
 
 def trained_path(method: str, options) -> Path:
     """--trained, else the artifact shipped for the model's folder."""
-    if options.trained is not None:
-        return options.trained
+    return options.trained if options.trained is not None else shipped_path(method, options)
+
+
+def shipped_path(method: str, options) -> Path:
+    """The artifact shipped for the model's folder (--model, else the default model)."""
     return shipped_artifact(method, options.model if options.model is not None else default_model_dir())
 
 
@@ -145,7 +149,8 @@ def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
 
 
 def eagle_drafter(build: Build) -> eagle.EagleDrafter:
-    return eagle.load_drafter(build.model, trained_path("eagle", build.options), build.inputs, build.costs)
+    head = eagle.load_head(build.model, trained_path("eagle", build.options))
+    return eagle.EagleDrafter(build.model, backends.draft_head(build.model, head), build.inputs, costs=build.costs)
 
 
 def ppd_drafter(build: Build) -> ppd.PPDDrafter:
@@ -154,17 +159,22 @@ def ppd_drafter(build: Build) -> ppd.PPDDrafter:
 
 
 def auto_drafter(build: Build):
-    """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, PPD's soft
-    tokens (combined.py)."""
+    """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, EAGLE's head and
+    PPD's soft tokens (combined.py; --trained names PPD's, EAGLE's is the one shipped for the model)."""
     options = build.options
     ppd_path = trained_path("ppd", options)
     soft = None
     if options.trained is not None or ppd_path.with_suffix(".safetensors").is_file():
         soft = ppd.load_drafter(build.model, ppd_path, DEFAULT_TREE_ROWS)
+    eagle_path = shipped_path("eagle", options)
+    head = None
+    if eagle_path.with_suffix(".safetensors").is_file():
+        head = eagle.EagleDrafter(build.model, backends.draft_head(build.model, eagle.load_head(build.model, eagle_path)),
+                                  AUTO_EAGLE_ROWS, costs=build.costs)
     return combined_drafter(NGramDrafter(n=options.ngram_n, k=options.ngram_k or NGramDrafter.DEFAULT_K),
                             TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
                                         options.branch_length),
-                            soft, build.latency(), build.costs)
+                            soft, build.latency(), build.costs, head)
 
 
 # --apar-guesses: each thread's own drafter, and the options that size it

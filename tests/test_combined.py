@@ -7,6 +7,7 @@ import random
 import torch
 from hypothesis import given, strategies as st
 
+from methods.eagle import EagleDrafter
 from methods.combined import CombinedDrafter, SoftTokensOnRoot, branches, combined_drafter
 from methods.cost_aware import CostAware, Costs
 from methods.latency import Latency
@@ -106,6 +107,7 @@ def test_auto_on_the_default_model_equals_vanilla(default_model, default_tokeniz
     drafter = build_drafter(METHODS["auto"], default_options(), default_model, default_tokenizer,
                             latency=Latency.flat())
     assert isinstance(drafter.drafter, CombinedDrafter) and drafter.drafter.soft is not None
+    assert any(isinstance(source, EagleDrafter) for source in drafter.drafter.sources)
     assert_shipped_guesser_equals_vanilla(default_model, default_tokenizer, drafter)
 
 

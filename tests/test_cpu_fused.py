@@ -217,3 +217,37 @@ def test_the_default_model_fused_decodes_as_vanilla_and_every_guesser_as_fused_v
         assert vanilla.token_ids == vanilla_answer(default_model, prompt, 32, eos).token_ids
         for drafter in (NGramDrafter(), TrieDrafter()):
             assert generate(fused, prompt, max_new_tokens=32, eos_ids=eos, drafter=drafter).token_ids == vanilla.token_ids
+
+
+@given(seed=st.integers(0, 10**6), rows=st.integers(1, 8), cached=st.integers(0, 20))
+def test_the_fused_eagle_head_computes_the_heads_step(seed, rows, cached):
+    """cpu_fused.FusedDraftHead: EAGLE's head (fc, its decoder layer over its cache with a tree's mask, the
+    draft logits) as the loops run it equals eagle.EagleHead's output, logits and cache, up to float32's
+    rounding (sums taken in other orders)."""
+    from methods.eagle import EagleHead
+    model = tiny_llama(seed % 7)
+    generator = torch.Generator().manual_seed(seed)
+    head = EagleHead(model.config, torch.arange(0, VOCAB, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    head = head.use_lm_head(model.lm_head).requires_grad_(False)
+    fused = FusedModel(model).draft_head(head)
+    D = model.config.hidden_size
+    features, embeddings = torch.randn(2, 1, rows, D, generator=generator)
+    positions = torch.arange(cached, cached + rows)
+    mask = torch.rand(rows, cached + rows, generator=generator) < 0.6
+    mask[:, cached:] |= torch.eye(rows, dtype=torch.bool)  # (each row sees itself)
+    caches, outputs = [], []
+    for runner in (head, fused):
+        cache = KVCache(1, model.config.num_kv_heads, model.config.head_dim, cached + rows)
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=torch.Generator().manual_seed(seed)))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=torch.Generator().manual_seed(seed + 1)))
+        cache.claim(cached)
+        guessed = runner(features, embeddings, positions, cache=cache, slots=cache.claim(rows), mask=mask)
+        outputs.append((guessed, runner.logits(guessed[0])))
+        caches.append(cache)
+    (guessed, logits), (fused_guessed, fused_logits) = outputs
+    torch.testing.assert_close(fused_guessed, guessed, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_logits, logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[1].keys, caches[0].keys, rtol=1e-4, atol=1e-4)

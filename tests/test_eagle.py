@@ -9,7 +9,8 @@ from decode import generate
 from kv_cache import KVCache
 from methods.cost_aware import Costs
 from methods.latency import Latency
-from tree import Tree
+from drafters import Pass, Request
+from tree import Evidence, Tree, Verdict
 from helpers import assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, self_distilled_record, tiny_model
 from methods import artifacts
 from methods.eagle import (EagleDrafter, EagleHead, draft_vocabulary, eagle_accuracy, eagle_loss, load_drafter,
@@ -149,9 +150,10 @@ def test_eagle_training_lowers_the_loss():
 
 
 def test_the_draft_goes_deeper_only_while_a_step_could_pay_for_its_time():
-    """A draft step costs its measured seconds; the guesses one more depth adds are right with a chance of
-    at most the frontier's values added up, each worth about a pass, L(1). Where a pass is nearly free,
-    one step is all that is drafted (depth 1); where it is dear, every depth is."""
+    """A draft step costs its measured seconds; one more depth is drafted where the tree it could make
+    (each frontier node's likeliest child added) is expected to yield more tokens per second, that time
+    spent too. Where a pass is nearly free, one step is all that is drafted (depth 1); where it is dear,
+    every depth is."""
     model = tiny_model(0, vocab=VOCAB, max_positions=96)
     head = random_head(model, 0)
     depths = {}
@@ -162,3 +164,25 @@ def test_the_draft_goes_deeper_only_while_a_step_could_pay_for_its_time():
         drafter.step_seconds = [1e-3]  # as measured
         depths[name] = max(drafter.propose().depths)
     assert depths == {"free": 1, "dear": 4}
+
+
+def test_the_heads_gain_is_what_its_accepted_guesses_made_the_pass_worth_beside_the_other_sources():
+    """realized_gain: tokens per second of the pass with the head's guesses (priced with the pass's L(n) and
+    the head's drafting: its tree and one pass's reading) over those of the same pass without them. The
+    head's accepted guess here is worth a token, an input and 2 ms; a guess an n-gram made too is not the
+    head's to claim."""
+    model = tiny_model(0, vocab=VOCAB, max_positions=96)
+    drafter = EagleDrafter(model, random_head(model, 0), inputs=8, costs=Costs(Latency({1: 0.010, 3: 0.020})))
+    drafter.begin(Request([1, 2, 3], max_length=20))
+    drafter.steady_reads, drafter.tree_seconds = [0.001], 0.001
+
+    def gain(evidence_of_node_1):
+        tree = Tree([5, 6, 7], [-1, 0, 0], evidence=[(), evidence_of_node_1, (Evidence(("ngram", 1), 0.3),)])
+        verdict = Verdict.of(tree, [0, 1], bonus=9)
+        done = Pass(tree, 3, [0, 1], [6, 9], torch.zeros(3, 4), torch.zeros(3, VOCAB), verdict)
+        return drafter.realized_gain(done)
+    eagles = (Evidence(("eagle", 1, 5), 0.5),)
+    # with the head: 2 tokens in L(3) + 2 ms; without: 1 token in L(2) = 15 ms
+    assert abs(gain(eagles) - (2 / 0.022) / (1 / 0.015)) < 1e-9
+    # the n-gram's guess too: without the head, the same 2 tokens, from a pass over 3 inputs
+    assert abs(gain(eagles + (Evidence(("ngram", 2), 0.4),)) - (2 / 0.022) / (2 / 0.020)) < 1e-9
