@@ -230,9 +230,9 @@ METHODS = {m.name: m for m in [
            "its threads. Its text is the fine-tuned model's, NOT the base model's", "Liu et al. 2024",
            ("trained", "fork_bias", "apar_guesses", "ngram_n", "ngram_k", "decoding_length", "branch_length"),
            trained=True, guesses=False, engine=apar_engine),
-    Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie and PPD's "
-           "soft tokens (when trained for the model and worth their inputs here), cut each step to what pays",
-           "Ou et al. 2024; Zhao et al. 2023; Chen et al. 2024",
+    Method("auto", "the combined drafter (combined.py): one tree from ANPD's n-grams, Lookahead's trie, EAGLE's "
+           "head and PPD's soft tokens (the last two when trained for the model and while they pay here), cut "
+           "each step to what pays", "Ou et al. 2024; Zhao et al. 2023; Li et al. 2024; Chen et al. 2024",
            ("ngram_n", "ngram_k", "decoding_length", "branch_length", "trained", "fixed_size"), drafter=auto_drafter,
            costs=ppd.SoftTokenCosts),
 ]}
