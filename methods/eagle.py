@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
 
     expand: frontier nodes per depth; top_k: children drafted per frontier node; depth: draft steps."""
 
-    WARM_UP = 2  # trees drafted before their gains decide (the first reads the prompt)
+    WARM_UP = 4  # gains of trees drafted before they decide
     # the head reads the prompt's last positions only: through all of a 2,000-token RAG prompt, its first
     # reading cost a few passes; a guess of the next feature leans on the latest ones
     PROMPT_WINDOW = 64
@@ -140,8 +140,8 @@ class EagleDrafter(Drafter):
         super().after_pass(done)
         followers = len(self.history) - done.cache_length - 1  # the accepted nodes with a token after them
         self.pending.append(done.hidden[done.path[:followers]])  # [n, D]
-        if self.costs is not None and self.drafted_last and done.verdict is not None:
-            self.gains.append(self.realized_gain(done))
+        if self.costs is not None and self.drafted_last and done.verdict is not None and len(self.steady_reads) > 1:
+            self.gains.append(self.realized_gain(done))  # (not the first tree's: no reading of one pass yet)
 
     def read_history(self) -> torch.Tensor | None:
         """Run the head over every history position it has not read, the pair (the model's feature there,
@@ -180,20 +180,22 @@ class EagleDrafter(Drafter):
         return tree
 
     def realized_gain(self, done) -> float:
-        """What the head's tree made the pass `done` worth: its tokens per second (the pass's L(n) and the
-        head's drafting, its reading of the history priced as one pass's: the median of the latest) over
-        what the pass would have made without the head's guesses (in `auto` other sources guess too; a
+        """What the head's tree made the pass `done` worth: its tokens per second (the pass's own seconds and
+        the head's drafting, its reading of the history priced as one pass's: the median of the latest) over
+        what the pass would have made without the head's guesses (its seconds scaled by L(n) to its inputs) (in `auto` other sources guess too; a
         guess another source made as well is theirs). What was accepted, not what the draft expected,
         so that over-confident guesses stop the drafting too."""
         others = [node for node in range(len(done.tree))
                   if not node or any(key[0] != "eagle" for key, _ in done.tree.evidence[node])]
         accepted = done.path[:1 + done.guesses_kept]
         accepted_without = next((i for i, node in enumerate(accepted) if node not in others), len(accepted))
-        reads = self.steady_reads[-9:] if len(self.steady_reads) == 1 else self.steady_reads[1:][-9:]
+        reads = self.steady_reads[1:][-9:]  # (the first read the prompt)
         seconds = self.tree_seconds + sorted(reads)[len(reads) // 2]
         latency = self.costs.latency
-        with_head = len(accepted) / (latency(done.tree.input_count) + seconds)
-        return with_head / (accepted_without / latency(len(others)))
+        # the pass as timed (L(n) where it was not), and without the head's guesses scaled by L(n)'s ratio
+        pass_seconds = done.seconds or latency(done.tree.input_count)
+        without = pass_seconds * latency(len(others)) / latency(done.tree.input_count)
+        return len(accepted) / (pass_seconds + seconds) / (accepted_without / without)
 
     def worth_drafting(self) -> bool:
         """Whether to draft this pass: always without cost-aware drafting; with it, once L(1) is measured,

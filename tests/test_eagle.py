@@ -174,7 +174,7 @@ def test_the_heads_gain_is_what_its_accepted_guesses_made_the_pass_worth_beside_
     model = tiny_model(0, vocab=VOCAB, max_positions=96)
     drafter = EagleDrafter(model, random_head(model, 0), inputs=8, costs=Costs(Latency({1: 0.010, 3: 0.020})))
     drafter.begin(Request([1, 2, 3], max_length=20))
-    drafter.steady_reads, drafter.tree_seconds = [0.001], 0.001
+    drafter.steady_reads, drafter.tree_seconds = [0.010, 0.001], 0.001  # (the first: the prompt)
 
     def gain(evidence_of_node_1):
         tree = Tree([5, 6, 7], [-1, 0, 0], evidence=[(), evidence_of_node_1, (Evidence(("ngram", 1), 0.3),)])
