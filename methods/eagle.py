@@ -141,7 +141,7 @@ class EagleDrafter(Drafter):
         followers = len(self.history) - done.cache_length - 1  # the accepted nodes with a token after them
         self.pending.append(done.hidden[done.path[:followers]])  # [n, D]
         if self.costs is not None and self.drafted_last and done.verdict is not None and len(self.steady_reads) > 1:
-            self.gains.append(self.realized_gain(done))  # (not the first tree's: no reading of one pass yet)
+            self.gains.append(self.realized_gain(done))  # (not the first tree's: no read of one pass yet)
 
     def read_history(self) -> torch.Tensor | None:
         """Run the head over every history position it has not read, the pair (the model's feature there,
@@ -180,11 +180,11 @@ class EagleDrafter(Drafter):
         return tree
 
     def realized_gain(self, done) -> float:
-        """What the head's tree made the pass `done` worth: its tokens per second (the pass's own seconds and
-        the head's drafting, its reading of the history priced as one pass's: the median of the latest) over
-        what the pass would have made without the head's guesses (its seconds scaled by L(n) to its inputs) (in `auto` other sources guess too; a
-        guess another source made as well is theirs). What was accepted, not what the draft expected,
-        so that over-confident guesses stop the drafting too."""
+        """What the head's tree made the pass `done` worth: its tokens per second (the pass's own seconds, and
+        the head's drafting with its reading of the history priced as one pass's: the median of the latest)
+        over those of the same pass without the head's guesses (its seconds scaled by L(n) to fewer inputs).
+        In `auto` other sources guess too; a guess another source made as well is theirs. What was accepted
+        counts, not what the draft expected, so that over-confident guesses stop the drafting too."""
         others = [node for node in range(len(done.tree))
                   if not node or any(key[0] != "eagle" for key, _ in done.tree.evidence[node])]
         accepted = done.path[:1 + done.guesses_kept]
@@ -199,15 +199,16 @@ class EagleDrafter(Drafter):
 
     def worth_drafting(self) -> bool:
         """Whether to draft this pass: always without cost-aware drafting; with it, once L(1) is measured,
-        while the trees drafted lately made their passes faster on average than the root alone would have
-        been (their realized gains over 1), for its first WARM_UP trees, and on Costs' probes (a pass it skips counts as one whose
-        guesses were cut): how well the head guesses changes with the text, and a tree costs its steps
-        whatever is sent."""
+        for the first WARM_UP trees, then while the trees drafted lately made their passes faster on average
+        than they would have been without them (realized gains over 1), and on Costs' probes (a pass it
+        skips counts as one whose guesses were cut): how well the head guesses changes with the text, and
+        a tree costs its steps whatever is sent."""
         if self.costs is None:
             return True
         if not self.costs.latency.measured_enough(1):
             return False
-        if len(self.gains) < self.WARM_UP or self.costs.idle >= self.costs.probe_after or sum(self.gains[-8:]) > len(self.gains[-8:]):
+        recent = self.gains[-8:]
+        if len(self.gains) < self.WARM_UP or self.costs.idle >= self.costs.probe_after or sum(recent) > len(recent):
             return True
         self.costs.idle += 1
         return False

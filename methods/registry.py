@@ -149,8 +149,12 @@ def medusa_drafter(build: Build) -> medusa.MedusaDrafter:
 
 
 def eagle_drafter(build: Build) -> eagle.EagleDrafter:
-    head = eagle.load_head(build.model, trained_path("eagle", build.options))
-    return eagle.EagleDrafter(build.model, backends.draft_head(build.model, head), build.inputs, costs=build.costs)
+    return eagle_on_backend(build.model, trained_path("eagle", build.options), build.inputs, build.costs)
+
+
+def eagle_on_backend(model, path: Path, inputs: int, costs) -> eagle.EagleDrafter:
+    """EAGLE's drafter with the head saved at `path`, its steps run by the model's backend where it can."""
+    return eagle.EagleDrafter(model, backends.draft_head(model, eagle.load_head(model, path)), inputs, costs=costs)
 
 
 def ppd_drafter(build: Build) -> ppd.PPDDrafter:
@@ -169,8 +173,7 @@ def auto_drafter(build: Build):
     eagle_path = shipped_path("eagle", options)
     head = None
     if eagle_path.with_suffix(".safetensors").is_file():
-        head = eagle.EagleDrafter(build.model, backends.draft_head(build.model, eagle.load_head(build.model, eagle_path)),
-                                  AUTO_EAGLE_ROWS, costs=build.costs)
+        head = eagle_on_backend(build.model, eagle_path, AUTO_EAGLE_ROWS, build.costs)
     return combined_drafter(NGramDrafter(n=options.ngram_n, k=options.ngram_k or NGramDrafter.DEFAULT_K),
                             TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
                                         options.branch_length),
