@@ -57,6 +57,7 @@ from programs.show_tree import visible
 
 GUESSING_METHODS = [name for name, method in METHODS.items() if method.guesses and method.drafter]
 CHAR = 0.083  # inches per character of 10-point DejaVu Sans Mono (0.6 em)
+CONFIDENCE = plt.get_cmap("Blues")  # a guess's chance, 0 (white) to 1 (dark blue)
 
 
 def label(text: str, width: int = 14) -> str:
@@ -88,19 +89,23 @@ def tree_rows(tree, extra: dict) -> dict:
 
 
 def tree_figure(step: Pass, text_of, title: str):
-    """The candidate tree of one pass, the accepted path and bonus token highlighted, each guess with its
-    guesser's chance for it (p: EAGLE's draft confidence, Medusa's measured accuracy, ...)."""
+    """The candidate tree of one pass, the accepted path and bonus token highlighted. Where the guesser
+    gave each guess a chance (p: EAGLE's draft confidence, Medusa's measured accuracy, ...), a guess is
+    filled by that chance and outlined by what the verdict made of it, so that confidence can be read
+    against acceptance; otherwise it is filled by the verdict."""
     tree, verdict = step.tree, step.verdict
     outcomes = step.outcomes()
+    chances = {node: max(prior for _, prior in tree.evidence[node]) for node in range(1, len(tree)) if tree.evidence[node]}
+    by_chance = len(chances) == len(tree) - 1 > 0
     labels = [label(text_of([token])) for token in tree.tokens]
     extra = {node: [("soft", node)] for node in range(len(tree)) if tree.extra_rows(node)}
     if step.bonus_emitted:
         extra[verdict.path[-1]] = [("bonus",)] + extra.get(verdict.path[-1], [])
     rows = tree_rows(tree, extra)
     column = CHAR * max(len(text) for text in [*labels, "2 soft tokens"]) + 0.8  # inches between depths
-    row, top = 0.5, 0.75  # inches between rows; room for the title
+    row, top = (0.75 if chances else 0.5), 0.75  # inches between rows (room for the chance above a guess); for the title
     depth = max([tree.depths[node] + 1 for node in extra] + tree.depths)
-    height = top + row * (max(rows.values()) + 1) + 0.9  # and room for the legend
+    height = top + row * (max(rows.values()) + 1) + (1.5 if by_chance else 0.9)  # and room for the legend
     width = max(column * (depth + 1) + 0.6, 7.5)
     fig = plt.figure(figsize=(width, height))
     ax = fig.add_axes((0, 0, 1, 1))
@@ -118,9 +123,13 @@ def tree_figure(step: Pass, text_of, title: str):
 
     def box(item, text, kind, **style):
         x, y = at(item)
+        fill, ink = FILLS[kind], "#777777" if kind == "unreached" else "black"
+        if by_chance and item in chances:
+            fill, ink = CONFIDENCE(chances[item]), "white" if chances[item] > 0.55 else "black"
+        elif by_chance:  # the root and the bonus token are not guesses: white, so that blue means a chance
+            fill = "white"
         ax.text(x, y, text, family="monospace", fontsize=10, va="center", ha="left", zorder=2,
-                color="#777777" if kind == "unreached" else "black", gid=style.pop("gid"),
-                bbox=dict(boxstyle="round,pad=0.3", fc=FILLS[kind], ec=COLOURS[kind], **style))
+                color=ink, gid=style.pop("gid"), bbox=dict(boxstyle="round,pad=0.3", fc=fill, ec=COLOURS[kind], **style))
 
     for node in range(1, len(tree)):
         on_path = outcomes[node] == "accepted"
@@ -128,14 +137,15 @@ def tree_figure(step: Pass, text_of, title: str):
              zorder=1.5 if on_path else 1, gid=f"edge-{tree.parents[node]}-{node}")  # the path over the rest
     for node in range(len(tree)):
         kind = "root" if node == 0 else outcomes[node]
-        box(node, labels[node], kind, lw=2 if kind == "accepted" else 1, gid=f"node-{node}-{kind}")
-        if node and tree.evidence[node]:  # the guesser's own chance for it, above it (cost-aware's prior)
+        box(node, labels[node], kind, lw=(3 if by_chance else 2) if kind in ("accepted", "rejected") else 1,
+            gid=f"node-{node}-{kind}")
+        if node in chances:  # the guesser's own chance for it, above it (cost-aware's prior)
             x, y = at(node)
-            ax.text(x + 0.05, y - 0.245, f"p {max(prior for _, prior in tree.evidence[node]):.2f}", fontsize=7,
-                    color="#555555", va="center", family="monospace")
+            ax.text(x + 0.05, y - 0.3, f"p {chances[node]:.2f}", fontsize=7, color="#555555", va="center",
+                    family="monospace")
         if kind == "rejected":  # what the model chose instead, under the refused guess
             x, y = at(node)
-            ax.text(x + 0.05, y + 0.245, f"model: {label(text_of([step.choices[tree.parents[node]]]), 10)}",
+            ax.text(x + 0.05, y + (0.3 if chances else 0.245), f"model: {label(text_of([step.choices[tree.parents[node]]]), 10)}",
                     fontsize=7, color=COLOURS["rejected"], va="center", family="monospace")
         if tree.extra_rows(node):
             count, copies = soft_tokens_on(tree, node)
@@ -146,10 +156,18 @@ def tree_figure(step: Pass, text_of, title: str):
     if step.bonus_emitted:
         edge(verdict.path[-1], ("bonus",), color=COLOURS["bonus"], lw=2.5, ls="--")
         box(("bonus",), label(text_of([verdict.tokens[-1]])), "bonus", lw=2, gid="bonus")
-    legend = [Patch(fc=FILLS[k], ec=COLOURS[k], label=text) for k, text in [
+    legend = [Patch(fc="white" if by_chance else FILLS[k], ec=COLOURS[k],
+                    lw=2 if by_chance and k != "unreached" else 1, label=text) for k, text in [
         ("root", "root: the last chosen token"), ("accepted", "accepted guess"),
         ("rejected", "rejected (the model's choice under it)"), ("unreached", "unreached"),
         ("bonus", "bonus: the model's choice after the path")]]
+    if by_chance:  # the fill's scale, beside the legend
+        scale = fig.add_axes((0.15 / width, 0.9 / height, 2.5 / width, 0.12 / height))
+        scale.imshow([[i / 100 for i in range(101)]], cmap=CONFIDENCE, aspect="auto", extent=(0, 1, 0, 1), vmin=0, vmax=1)
+        scale.set_yticks([])
+        scale.set_xticks([0, 0.5, 1])
+        scale.tick_params(labelsize=7)
+        scale.set_title("fill: the guesser's chance p", fontsize=8)
     if tree.extra:
         legend.append(Patch(fc=FILLS["soft"], ec=COLOURS["soft"], ls="--", label="soft tokens: the next guesses"))
     ax.legend(handles=legend, loc="lower left", bbox_to_anchor=(0.0, 0.0), ncol=3, fontsize=8, frameon=False)
