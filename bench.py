@@ -209,11 +209,11 @@ class Tally:
         return (self.new_tokens - self.prompts) / self.decode_seconds
 
 
-def variant_drafter(name, model, tokenizer, args, rows=None, latency=None):
+def variant_drafter(name, model, tokenizer, args, rows=None, latency=None, trained=None):
     """The drafter `decode.py` would build for the --methods variant `name` (methods.py), with
-    bench.py's --tree-rows and --draft-layers; `rows` inputs per pass if given."""
+    bench.py's --tree-rows and --draft-layers; `rows` inputs per pass and the `trained` part if given."""
     method, options = VARIANTS[name]
-    options = default_options(tree_rows=args.tree_rows, draft_layers=args.draft_layers, **options)
+    options = default_options(tree_rows=args.tree_rows, draft_layers=args.draft_layers, trained=trained, **options)
     return build_drafter(METHODS[method], options, model, tokenizer, rows, latency)
 
 
@@ -324,7 +324,8 @@ def bench_methods(args, tokenizer, report):
         priced = Latency(started_with)  # one fixed L(n) for the modelled speedups of the whole run
         # one drafter per method and run: each sees every prompt once, in order, so Lookahead's trie,
         # which carries over between prompts, is in the same state in every run of a prompt
-        drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency) for name in args.methods}
+        drafters = [{name: variant_drafter(name, model, tokenizer, args, latency=latency, trained=args.trained)
+                     for name in args.methods}
                     for _ in range(args.runs)]
         methods = (["vanilla"] + args.methods + ([EAGER] if model is not plain else []) + ([PEER] if peer else [])
                    + (LLAMA_CPP if llama else []))
@@ -527,7 +528,7 @@ def bench_acceptance(args, tokenizer, report):
     for name in args.methods:
         per_method[name] = [0, 0, 0, 0]  # accepted, judged, tokens, verifying passes
         per_depth[name] = defaultdict(lambda: [0, 0])
-        drafter = variant_drafter(name, model, tokenizer, args)
+        drafter = variant_drafter(name, model, tokenizer, args, trained=args.trained)
         progress = Progress(f"  {name}")
         for number, prompt_ids in enumerate(prompts, 1):
             generate(model, prompt_ids, max_new_tokens=args.new_tokens, eos_ids=tokenizer.eos_ids, drafter=drafter,
@@ -1005,6 +1006,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree-rows", type=integer(2, MAX_TREE_ROWS), metavar="N",
                    help=f"medusa / ppd: inputs per forward pass, 2..{MAX_TREE_ROWS} (default: decode.py "
                         f"--calibrate's choice on this machine, else {DEFAULT_TREE_ROWS})")
+    g.add_argument("--trained", type=Path, metavar="PATH",
+                   help="medusa / ppd / eagle / auto: the trained part to run, PATH.safetensors + PATH.json "
+                        "(decode.py --trained; default: the one shipped for the model)")
     g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
     g.add_argument("--prompts", type=integer(1, 100_000), default=2, metavar="N",
                    help="prompts per category, spread over the set")
@@ -1058,8 +1062,8 @@ def machine(device: torch.device) -> dict:
 READS = {
     "methods": {"backend", "categories", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods",
                 "new_tokens",
-                "prompts", "runs", "skip_transformers", "temperature", "tree_rows"},
-    "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "tree_rows"},
+                "prompts", "runs", "skip_transformers", "temperature", "trained", "tree_rows"},
+    "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "trained", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},
     "learned": {"budgets", "categories", "device", "draft_layers", "new_tokens", "prompts", "temperature", "tree_rows"},
     "apar": {"adapters", "apar_guesses", "device", "fork_biases", "held_out_half", "held_out_lists", "mt_categories",
