@@ -44,6 +44,16 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
+def kind_of(path: Path) -> str | None:
+    """The kind its JSON says the artifact at `path` is ("ppd", "eagle", ...), or None where it cannot
+    say (missing or unreadable: `load` then says what is wrong)."""
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return None
+    return meta.get("kind") if isinstance(meta, dict) else None
+
+
 def load(path: Path, kind: str, model) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors and metadata at `path` (.safetensors + .json), checked to be a `kind` artifact
     made for `model`; tensors on the model's device and dtype."""

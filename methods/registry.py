@@ -26,7 +26,7 @@ from methods import eagle
 from methods import medusa
 from methods import ppd
 from methods.apar import FORK_BIAS, MAX_FORK_BIAS, MAX_GUESSES_PER_PASS, load_apar_model
-from methods.artifacts import shipped_artifact
+from methods.artifacts import kind_of, shipped_artifact
 from calibrate import calibrated_rows, machine_latency
 from methods.combined import combined_drafter
 from programs.convert import default_model_dir
@@ -164,15 +164,16 @@ def ppd_drafter(build: Build) -> ppd.PPDDrafter:
 
 def auto_drafter(build: Build):
     """--method auto: ANPD's n-grams, Lookahead's trie and, when trained for the model, EAGLE's head and
-    PPD's soft tokens (combined.py; --trained names PPD's, EAGLE's is the one shipped for the model)."""
+    PPD's soft tokens (combined.py). --trained names one of the last two, whichever its JSON says it is
+    (an unreadable one is taken for PPD's, whose loading says what is wrong); the other is the one shipped."""
     options = build.options
-    ppd_path = trained_path("ppd", options)
-    soft = None
-    if options.trained is not None or ppd_path.with_suffix(".safetensors").is_file():
+    given_eagle = options.trained is not None and kind_of(options.trained) == "eagle"
+    ppd_path = shipped_path("ppd", options) if given_eagle else trained_path("ppd", options)
+    eagle_path = options.trained if given_eagle else shipped_path("eagle", options)
+    soft = head = None
+    if ppd_path == options.trained or ppd_path.with_suffix(".safetensors").is_file():
         soft = ppd.load_drafter(build.model, ppd_path, DEFAULT_TREE_ROWS)
-    eagle_path = shipped_path("eagle", options)
-    head = None
-    if eagle_path.with_suffix(".safetensors").is_file():
+    if eagle_path == options.trained or eagle_path.with_suffix(".safetensors").is_file():
         head = eagle_on_backend(build.model, eagle_path, AUTO_EAGLE_ROWS, build.costs)
     return combined_drafter(NGramDrafter(n=options.ngram_n, k=options.ngram_k or NGramDrafter.DEFAULT_K),
                             TrieDrafter(options.decoding_length or TrieDrafter.DEFAULT_DECODING_LENGTH,
@@ -288,8 +289,9 @@ OPTIONS = {  # dest -> (flag, argparse settings); the methods that take each are
              "instead of 1.22x)")),
     "trained": ("--trained", dict(
         type=Path, metavar="PATH",
-        help="the trained heads / soft tokens / APAR adapter, PATH.safetensors + PATH.json, made by "
-             "train_prompt.py (default: trained/<method>-<model folder>, shipped for the default model)")),
+        help="the trained heads / soft tokens / EAGLE head / APAR adapter, PATH.safetensors + PATH.json, made by "
+             "train_prompt.py (default: trained/<method>-<model folder>, shipped for the default model; auto: PPD's "
+             "soft tokens or EAGLE's head, whichever the file is)")),
     "tree_rows": ("--tree-rows", dict(
         type=integer(2, MAX_TREE_ROWS), metavar="N",
         help=f"inputs per forward pass, 2..{MAX_TREE_ROWS}: the root, the guesses and (ppd) the soft tokens "

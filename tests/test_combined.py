@@ -156,3 +156,25 @@ def test_left_out_soft_tokens_are_probed_again():
         decisions.append(costs.extra_inputs_pay(bare, carried, 1.0))
         costs.cut(carried if decisions[-1] else bare)
     assert decisions.count(True) == 2 and not any(decisions[:Costs.PROBE_EVERY])
+
+
+def test_auto_takes_a_trained_eagle_head_or_ppd_soft_tokens_by_what_the_file_is(monkeypatch, tmp_path):
+    """--method auto --trained PATH: EAGLE's head where PATH's JSON says so, else PPD's soft tokens (an
+    unreadable one too, whose loading then says what is wrong); the other part is the shipped one."""
+    import json
+
+    from methods import registry
+    loaded = {}
+    monkeypatch.setattr(registry, "eagle_on_backend", lambda model, path, *_: loaded.setdefault("eagle", path))
+    monkeypatch.setattr(registry.ppd, "load_drafter", lambda model, path, *_: loaded.setdefault("ppd", path))
+    monkeypatch.setattr(registry, "combined_drafter", lambda *_: None)
+    for kind, other in [("eagle", "ppd"), ("ppd", "eagle"), (None, "eagle")]:
+        path = tmp_path / str(kind)
+        path.with_suffix(".safetensors").write_bytes(b"")
+        if kind is not None:
+            path.with_suffix(".json").write_text(json.dumps({"kind": kind}))
+        options = default_options(trained=path)
+        loaded.clear()
+        registry.auto_drafter(registry.Build(options, None, None, None, None, lambda: None))
+        assert loaded[kind or "ppd"] == path, f"--trained {kind}: loaded {loaded}"
+        assert loaded[other] == registry.shipped_path(other, options), f"--trained {kind}: loaded {loaded}"
