@@ -2,6 +2,7 @@
 their evidence, and it decodes exactly as vanilla greedy, cost-aware or not, with or without PPD's
 soft tokens on the root (its sampling is tested with the other methods in test_sampling_decode.py)."""
 
+import json
 import random
 
 import torch
@@ -15,6 +16,7 @@ from decode import generate
 from drafters import Drafter, NGramDrafter, TrieDrafter
 from helpers import (assert_decodes_as_naive_greedy, assert_shipped_guesser_equals_vanilla, random_accuracy,
                      tiny_model, trees)
+from methods import registry
 from methods.registry import METHODS, build_drafter, default_options
 from methods.ppd import PPDDrafter, SoftTokenCosts, SoftTokens, best_dynamic_sparse_tree
 from tree import Evidence, Tree
@@ -161,9 +163,6 @@ def test_left_out_soft_tokens_are_probed_again():
 def test_auto_takes_a_trained_eagle_head_or_ppd_soft_tokens_by_what_the_file_is(monkeypatch, tmp_path):
     """--method auto --trained PATH: EAGLE's head where PATH's JSON says so, else PPD's soft tokens (an
     unreadable one too, whose loading then says what is wrong); the other part is the shipped one."""
-    import json
-
-    from methods import registry
     loaded = {}
     monkeypatch.setattr(registry, "eagle_on_backend", lambda model, path, *_: loaded.setdefault("eagle", path))
     monkeypatch.setattr(registry.ppd, "load_drafter", lambda model, path, *_: loaded.setdefault("ppd", path))
