@@ -16,8 +16,8 @@ Read in this order:
 2. `EagleDrafter` (EAGLE-2 section 4): the head keeps its own one-layer K/V cache over the history
    (the prompt's last PROMPT_WINDOW positions on; one row per accepted node: that node's feature and
    the token after it), read when it next drafts (`read_history`). Drafting
-   then grows a tree one depth at a time (4.1, "Expansion"): the frontier is the `expand` nodes of
-   highest *value*, the product of the draft's confidences along the path (an estimate of the chance
+   then grows a `DraftTree` one depth at a time (4.1, "Expansion"): the frontier is the `expand` nodes
+   of highest *value*, the product of the draft's confidences along the path (an estimate of the chance
    the node is accepted), and each frontier node's `top_k` children join the tree. The tree's best
    nodes by value are kept (4.2, "Reranking"; a child's value never exceeds its parent's, so they form
    a tree) and cost-aware drafting (cost_aware.py) cuts them to what pays, with the draft's confidence
@@ -216,8 +216,7 @@ class EagleDrafter(Drafter):
     def drafted(self, guessed: torch.Tensor) -> Tree:
         """The tree grown from `guessed`, the head's guess of the root's feature."""
         started, history = time.perf_counter(), self.cache.length  # the root sits at this position
-        # the tree so far: per node its token, parent, depth, value and the draft's confidence in it
-        tokens, parents, depths, values, confidences = [self.history[-1]], [-1], [0], [1.0], [1.0]
+        draft = DraftTree(self.history[-1])
         feature_of = {0: guessed}  # node -> the head's guess of its feature: its children's logits
         slot_of = {}  # drafted node -> its row in the head's cache
         expanded = [0]  # the nodes whose children this depth drafts
@@ -227,33 +226,27 @@ class EagleDrafter(Drafter):
             logits = self.head.logits(features)  # [F, W]
             log_probs = torch.log_softmax(logits.to(at_least_float32(logits.dtype)), dim=-1)
             top = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
-            children = []
-            for row, node in enumerate(expanded):
-                for log_p, index in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                    tokens.append(int(self.head.draft_ids[index]))
-                    parents.append(node)
-                    depths.append(depth)
-                    confidences.append(math.exp(log_p))
-                    values.append(values[node] * confidences[-1])
-                    children.append(len(tokens) - 1)
+            children = draft.grow(expanded, [[(int(self.head.draft_ids[index]), math.exp(log_p))
+                                              for log_p, index in zip(row_log_probs.tolist(), row_indices.tolist())]
+                                             for row_log_probs, row_indices in zip(top.values, top.indices)])
             if depth > 1:
                 self.child_confidence += top.values[:, 0].exp().tolist()
-            frontier = sorted(children, key=lambda node: -values[node])[:self.expand]
-            if depth == self.depth or not self.worth_another_step(frontier, values, time.perf_counter() - started):
+            frontier = draft.frontier(children, self.expand)
+            if depth == self.depth or not self.worth_another_step(frontier, draft.values, time.perf_counter() - started):
                 break
-            self.step(frontier, tokens, parents, feature_of, slot_of, history, depth)
+            self.step(frontier, draft, feature_of, slot_of, history, depth)
             expanded = frontier
             self.step_seconds.append(time.perf_counter() - step_started)
         self.cache.truncate(history)
-        return self.reranked(tokens, parents, depths, values, confidences)
+        return self.reranked(draft)
 
-    def step(self, frontier, tokens, parents, feature_of, slot_of, history, depth) -> None:
+    def step(self, frontier, draft: "DraftTree", feature_of, slot_of, history, depth) -> None:
         """One draft step: each frontier node, as the pair (its parent's guessed feature, its token) at its
         parent's position, through the head, seeing the history and its own drafted ancestors; their
         guessed features go to `feature_of`."""
         device = self.model.device
-        features = torch.stack([feature_of[parents[node]] for node in frontier])  # [F, D]
-        embeddings = self.model.embed(torch.tensor([tokens[node] for node in frontier], device=device))  # [F, D]
+        features = torch.stack([feature_of[draft.parents[node]] for node in frontier])  # [F, D]
+        embeddings = self.model.embed(torch.tensor([draft.tokens[node] for node in frontier], device=device))  # [F, D]
         slots = self.cache.claim(len(frontier))
         mask = torch.zeros(len(frontier), self.cache.length, dtype=torch.bool)  # [F, S]
         mask[:, :history] = True
@@ -262,7 +255,7 @@ class EagleDrafter(Drafter):
             ancestor = node
             while ancestor:  # (the root's own row is the history's last)
                 mask[row, slot_of[ancestor]] = True
-                ancestor = parents[ancestor]
+                ancestor = draft.parents[ancestor]
         positions = torch.full((len(frontier),), self.unread + history + depth - 1, device=device)
         guessed = self.head(features[None], embeddings[None], positions, cache=self.cache, slots=slots,
                             mask=mask.to(device))
@@ -284,16 +277,52 @@ class EagleDrafter(Drafter):
         return (best_rate(deeper, self.size, self.costs.latency, spent + step)
                 > best_rate(drafted, self.size, self.costs.latency, spent))
 
-    def reranked(self, tokens, parents, depths, values, confidences) -> Tree:
-        """The `size` drafted nodes of highest value (EAGLE-2 section 4.2; ties: the shallower, so a
-        parent comes before its child), as a tree whose guesses carry the draft's confidence."""
-        best = sorted(range(1, len(tokens)), key=lambda node: (-values[node], depths[node], node))[:self.size]
-        keep = [0] + sorted(best)
+    def reranked(self, draft: "DraftTree") -> Tree:
+        """The draft's best `size` nodes (`DraftTree.best`) as a tree whose guesses carry the draft's
+        confidence."""
+        keep = [0] + draft.best(self.size)
         row = {node: i for i, node in enumerate(keep)}
-        evidence = [()] + [(Evidence(("eagle", depths[node], min(int(confidences[node] * 10), 9)), confidences[node]),)
-                           for node in keep[1:]]
-        return Tree([tokens[node] for node in keep], [-1] + [row[parents[node]] for node in keep[1:]],
+        evidence = [()] + [(Evidence(("eagle", draft.depths[node], min(int(draft.confidences[node] * 10), 9)),
+                                     draft.confidences[node]),) for node in keep[1:]]
+        return Tree([draft.tokens[node] for node in keep], [-1] + [row[draft.parents[node]] for node in keep[1:]],
                     evidence=evidence)
+
+
+class DraftTree:
+    """EAGLE-2's draft tree as it grows (section 4). Per node: its token, its parent, its depth, the
+    draft's confidence in it (its probability under the draft, given its path) and its *value*, the
+    product of the confidences on its path: the draft's estimate of the chance the node is accepted.
+    Node 0 is the root, the history's last token, with value 1."""
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.depths = [root], [-1], [0]
+        self.confidences, self.values = [1.0], [1.0]
+
+    def grow(self, expanded: list[int], children: list[list[tuple[int, float]]]) -> list[int]:
+        """Give each node of `expanded` its drafted children, `children[i]` for `expanded[i]`: (token, the
+        draft's confidence) pairs, added in that order (section 4.1, "Expansion"). -> the new nodes."""
+        added = []
+        for parent, drafted in zip(expanded, children):
+            for token, confidence in drafted:
+                self.tokens.append(token)
+                self.parents.append(parent)
+                self.depths.append(self.depths[parent] + 1)
+                self.confidences.append(confidence)
+                self.values.append(self.values[parent] * confidence)
+                added.append(len(self.tokens) - 1)
+        return added
+
+    def frontier(self, nodes: list[int], expand: int) -> list[int]:
+        """The `expand` nodes of `nodes` of highest value, the highest first (ties: the earlier node): the
+        nodes the next draft step expands (section 4.1: the likeliest paths, not the likeliest last steps)."""
+        return sorted(nodes, key=lambda node: (-self.values[node], node))[:expand]
+
+    def best(self, size: int) -> list[int]:
+        """The `size` drafted nodes of highest value (section 4.2, "Reranking"), in the order they were
+        drafted. A child's value is never above its parent's, so with ties going to the shallower node they
+        form a tree: of all trees of `size` drafted nodes, the one whose values sum highest."""
+        ranked = sorted(range(1, len(self.tokens)), key=lambda node: (-self.values[node], self.depths[node], node))
+        return sorted(ranked[:size])
 
 
 def load_head(model, path: Path) -> EagleHead:
