@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from assignments import ASSIGNMENTS, graded_names
+from assignments import ASSIGNMENTS, graded_names, split_entry
 from mistakes import MISTAKES
 
 COURSE = Path(__file__).resolve().parent
@@ -25,7 +25,8 @@ def select(reference: bool, mistake: str | None) -> None:
 
 
 def reference(assignment: str, name: str):
-    module = next(entry.split(".")[0] for entry in ASSIGNMENTS[assignment] if entry.split(".")[1] == name)
+    module = next(module for module, qualified in map(split_entry, ASSIGNMENTS[assignment])
+                  if qualified.split(".")[0] == name)
     return getattr(importlib.import_module(module), name)
 
 
@@ -55,9 +56,9 @@ def install(monkeypatch, assignment: str, name: str, module) -> None:
     graded = implementation(assignment, name)
     original = getattr(module, name)
     if isinstance(original, type):
-        for entry in ASSIGNMENTS[assignment]:
-            parts = entry.split(".")
-            if len(parts) == 3 and parts[1] == name:
-                monkeypatch.setattr(original, parts[2], getattr(graded, parts[2]))
+        for _, qualified in map(split_entry, ASSIGNMENTS[assignment]):
+            owner, _, method = qualified.partition(".")
+            if method and owner == name:
+                monkeypatch.setattr(original, method, getattr(graded, method))
     else:
         monkeypatch.setattr(module, name, graded)

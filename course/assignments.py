@@ -1,6 +1,7 @@
 """The course's assignments: what each one asks you to write, as the reference names it.
 
-Each entry is "module.name" or "module.Class.method" in the project's own code. The assignment's
+Each entry is "module.name" or "module.Class.method" in the project's own code, the module by its
+dotted path ("methods.eagle" for methods/eagle.py). The assignment's
 starter.py holds the same functions (and, for methods, a subclass of the reference class) with the
 reference's signatures and docstrings and `raise NotImplementedError` bodies; `python course/strip.py`
 writes the starters from this table, and `python course/strip.py hide DIR` writes a copy of the project
@@ -8,6 +9,9 @@ with these bodies removed for students (see course/README.md).
 """
 
 import argparse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ASSIGNMENTS = {
     "a1_llama": ["model.rms_norm", "model.rotary_cos_sin", "model.apply_rotary", "model.grouped_attention"],
@@ -19,12 +23,27 @@ ASSIGNMENTS = {
     "a7_trie": ["drafters.Trie.add", "drafters.Trie.prune", "drafters.TrieDrafter.retrieve"],
     "a8_sparse_trees": ["tree.path_probability", "tree.expected_accepted", "tree.best_sparse_tree"],
     "a9_capstone": ["calibrate.calibrate"],
+    "a10_eagle_trees": ["methods.eagle.DraftTree.grow", "methods.eagle.DraftTree.frontier",
+                        "methods.eagle.DraftTree.best"],
 }
+
+
+def split_entry(entry: str) -> tuple[str, str]:
+    """("methods.eagle", "DraftTree.grow") for "methods.eagle.DraftTree.grow": the module is the longest
+    dotted prefix that names a file of the project."""
+    parts = entry.split(".")
+    cut = max(i for i in range(1, len(parts)) if (ROOT / Path(*parts[:i])).with_suffix(".py").is_file())
+    return ".".join(parts[:cut]), ".".join(parts[cut:])
+
+
+def module_file(module: str) -> Path:
+    """The file of a module named by its dotted path, relative to the project's root."""
+    return Path(*module.split(".")).with_suffix(".py")
 
 
 def graded_names(assignment: str) -> list[str]:
     """The names a grader asks for: each function, and each class once (its methods come with it)."""
-    return list(dict.fromkeys(entry.split(".")[1] for entry in ASSIGNMENTS[assignment]))
+    return list(dict.fromkeys(split_entry(entry)[1].split(".")[0] for entry in ASSIGNMENTS[assignment]))
 
 
 def assignments_asked(description: str, what: str, arguments: list[str]) -> list[str]:

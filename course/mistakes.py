@@ -17,6 +17,7 @@ import kv_cache
 import model
 import tree
 import verify
+from methods import eagle
 from tree import Verdict
 
 
@@ -370,6 +371,32 @@ def calibrate_with_the_smallest_tree_as_l1(model, method, tau_of_rows):  # L(1) 
         return calibrate.calibrate(model, method, tau_of_rows)
 
 
+# ---- a10: EAGLE-2's draft tree ----------------------------------------------------------------------
+
+class ValueIsTheLastConfidence(eagle.DraftTree):  # a node's value: its own confidence, not its path's product
+    def grow(self, expanded, children):
+        added = super().grow(expanded, children)
+        for node in added:
+            self.values[node] = self.confidences[node]
+        return added
+
+
+class FrontierByTheLastConfidence(eagle.DraftTree):  # expands the most confident last steps
+    def frontier(self, nodes, expand):
+        return sorted(nodes, key=lambda node: (-self.confidences[node], node))[:expand]
+
+
+class RerankDeeperFirstOnTies(eagle.DraftTree):  # on a tie the deeper node first: a child before its parent
+    def best(self, size):
+        ranked = sorted(range(1, len(self.tokens)), key=lambda node: (-self.values[node], -self.depths[node], node))
+        return sorted(ranked[:size])
+
+
+class RerankKeepsTheRoot(eagle.DraftTree):  # ranks the root among the guesses
+    def best(self, size):
+        return sorted(sorted(range(len(self.tokens)), key=lambda node: (-self.values[node], self.depths[node]))[:size])
+
+
 MISTAKES = {
     "a1/rope-interleaved-pairs": Mistake("a1_llama", "apply_rotary", apply_rotary_interleaved,
                                          "x_i pairs with x_(i+E/2)"),
@@ -450,4 +477,11 @@ MISTAKES = {
     "a9/smallest-tree-as-l1": Mistake("a9_capstone", "calibrate", calibrate_with_the_smallest_tree_as_l1, "the predicted speedup tau(n) L(1) / L(n) is"),
     "a8/root-counted": Mistake("a8_sparse_trees", "expected_accepted", expected_accepted_counting_the_root,
                                "the root is no guess"),
+    "a10/value-is-the-last-confidence": Mistake("a10_eagle_trees", "DraftTree", ValueIsTheLastConfidence,
+                                                "is the product of the confidences on its path"),
+    "a10/frontier-by-the-last-confidence": Mistake("a10_eagle_trees", "DraftTree", FrontierByTheLastConfidence,
+                                                   "not its last confidence"),
+    "a10/rerank-deeper-first-on-ties": Mistake("a10_eagle_trees", "DraftTree", RerankDeeperFirstOnTies,
+                                               "the shallower node goes first"),
+    "a10/rerank-keeps-the-root": Mistake("a10_eagle_trees", "DraftTree", RerankKeepsTheRoot, "the root, is"),
 }

@@ -26,7 +26,7 @@ COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
-from assignments import ASSIGNMENTS, assignments_asked  # noqa: E402
+from assignments import ASSIGNMENTS, assignments_asked, module_file, split_entry  # noqa: E402
 from strip import NOT_COPIED, definitions, first_line  # noqa: E402
 
 SWAPPED = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -82,7 +82,7 @@ def mutants(assignment: str) -> Iterator[tuple[str, str, str]]:
     """(module, where and what, the module's mutated source) for every change of the assignment's
     functions."""
     for entry in ASSIGNMENTS[assignment]:
-        module, qualified = entry.split(".", 1)
+        module, qualified = split_entry(entry)
         source, found = definitions(module)
         function = found[qualified]
         for index, node in enumerate(ast.walk(function)):
@@ -101,8 +101,8 @@ def mutants(assignment: str) -> Iterator[tuple[str, str, str]]:
 
 def caught(workspace: Path, assignment: str, module: str, source: str) -> bool:
     """Whether the assignment's grader fails with the module replaced by `source` in `workspace`."""
-    original = (workspace / f"{module}.py").read_text()
-    (workspace / f"{module}.py").write_text(source)
+    original = (workspace / module_file(module)).read_text()
+    (workspace / module_file(module)).write_text(source)
     try:
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                               f"course/{assignment}", "--reference"], cwd=workspace, capture_output=True,
@@ -111,7 +111,7 @@ def caught(workspace: Path, assignment: str, module: str, source: str) -> bool:
     except subprocess.TimeoutExpired:
         return True  # it ran on and on (a loop that never ends): a mistake a student would see
     finally:
-        (workspace / f"{module}.py").write_text(original)
+        (workspace / module_file(module)).write_text(original)
 
 
 def graded_in_a_free_workspace(free: queue.Queue, assignment: str, module: str, source: str) -> bool:

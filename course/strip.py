@@ -25,12 +25,12 @@ COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
-from assignments import ASSIGNMENTS, graded_names  # noqa: E402
+from assignments import ASSIGNMENTS, graded_names, module_file, split_entry  # noqa: E402
 
 
 def definitions(module: str) -> tuple[str, dict[str, ast.AST]]:
     """The module's source and its functions and methods by qualified name ("f", "Class.method")."""
-    source = (ROOT / f"{module}.py").read_text()
+    source = (ROOT / module_file(module)).read_text()
     found = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef):
@@ -72,7 +72,7 @@ def starter(assignment: str, answered: bool = False) -> str:
     a student who solved it would hand it in (the instructor's dry run, dry_run.py)."""
     by_module = defaultdict(list)
     for entry in ASSIGNMENTS[assignment]:
-        module, qualified = entry.split(".", 1)
+        module, qualified = split_entry(entry)
         by_module[module].append(qualified)
     imports, from_names, blocks = set(), defaultdict(set), []
     for module, qualified_names in by_module.items():
@@ -114,7 +114,7 @@ def whole(source: str, function: ast.FunctionDef) -> str:
 
 def released(assignment: str) -> str:
     """course/<assignment>/starter.py once the assignment's answers are out: the project's own code."""
-    module_of = {entry.split(".")[1]: entry.split(".")[0] for entry in ASSIGNMENTS[assignment]}
+    module_of = {split_entry(entry)[1].split(".")[0]: split_entry(entry)[0] for entry in ASSIGNMENTS[assignment]}
     by_module = defaultdict(list)
     for name in graded_names(assignment):
         by_module[module_of[name]].append(name)
@@ -201,10 +201,10 @@ def hide(destination: Path, through: str | None = None) -> None:
     by_module = defaultdict(list)
     for assignment in names[current:]:
         for entry in ASSIGNMENTS[assignment]:
-            module, qualified = entry.split(".", 1)
+            module, qualified = split_entry(entry)
             by_module[module].append((qualified, assignment))
     for module, entries in by_module.items():
-        (destination / f"{module}.py").write_text(hidden(module, entries))
+        (destination / module_file(module)).write_text(hidden(module, entries))
     for assignment in names[:current]:
         (destination / "course" / assignment / "starter.py").write_text(released(assignment))
     (destination / "course_starters.py").write_text(STARTER_LOADER)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from methods import apar  # noqa: E402
 from methods import artifacts  # noqa: E402
 from decode import generate  # noqa: E402
+from methods.eagle import EagleHead  # noqa: E402
 from methods.medusa import MedusaDrafter, MedusaHeads  # noqa: E402
 from checkpoint import build_model, config_from_hf, hf_weight_shapes, load_checkpoint  # noqa: E402
 from drafters import Drafter, DraftModelDrafter, NGramDrafter, Pass, TrieDrafter, first_layers  # noqa: E402
@@ -81,6 +82,18 @@ def tiny_model(seed: int = 0, *, vocab: int = 16, max_positions: int = 64, layer
     """The shared random tiny float64 Llama for `seed`, built once per test session for each set of
     arguments. Tests must not change it; one that needs to builds its own with random_model."""
     return random_model(tiny_hf_config(layers=layers, vocab=vocab, max_position_embeddings=max_positions), seed=seed)
+
+
+def random_eagle_head(model, seed: int, draft_vocab: int) -> EagleHead:
+    """An EAGLE head for the tiny float64 `model` with random weights, over a random draft vocabulary of
+    `draft_vocab` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(model.config.vocab_size, generator=generator)[:draft_vocab].sort().values
+    head = EagleHead(model.config, ids).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
+    return head.use_lm_head(model.lm_head)
 
 
 EVERY_DRAFTER_ACCURACY = [[0.3, 0.2, 0.15, 0.1], [0.3, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]]

@@ -4,6 +4,7 @@ assignment's grader with a message that points at it. The starters are what cour
 from the reference, and its students' copy really has the answers removed."""
 
 import ast
+import importlib
 import inspect
 import os
 import re
@@ -21,7 +22,7 @@ sys.path.insert(0, str(COURSE))
 
 import dry_run  # noqa: E402
 import strip  # noqa: E402
-from assignments import ASSIGNMENTS  # noqa: E402
+from assignments import ASSIGNMENTS, split_entry  # noqa: E402
 from mistakes import MISTAKES  # noqa: E402
 
 
@@ -95,8 +96,9 @@ def test_the_starters_are_cut_from_the_reference(assignment):
     starter = {}
     exec(compile((COURSE / assignment / "starter.py").read_text(), assignment, "exec"), starter)
     for entry in ASSIGNMENTS[assignment]:
-        module, *names = entry.split(".")
-        reference, stub = __import__(module), starter
+        module, qualified = split_entry(entry)
+        reference, stub = importlib.import_module(module), starter
+        names = qualified.split(".")
         for name in names:
             reference, stub = getattr(reference, name), stub[name] if isinstance(stub, dict) else getattr(stub, name)
         assert inspect.signature(stub) == inspect.signature(reference) and stub.__doc__ == reference.__doc__, entry
@@ -107,7 +109,7 @@ def reference_bodies() -> dict[str, str]:
     bodies = {}
     for entries in ASSIGNMENTS.values():
         for entry in entries:
-            module, qualified = entry.split(".", 1)
+            module, qualified = split_entry(entry)
             source, found = strip.definitions(module)
             function = found[qualified]
             lines = source.splitlines()[function.body[0].end_lineno:function.end_lineno]

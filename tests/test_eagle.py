@@ -11,23 +11,13 @@ from methods.cost_aware import Costs
 from methods.latency import Latency
 from drafters import Pass, Request
 from tree import Evidence, Tree, Verdict
-from helpers import assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, self_distilled_record, tiny_model
+from helpers import (assert_equals_vanilla_greedy, assert_shipped_guesser_equals_vanilla, random_eagle_head,
+                     self_distilled_record, tiny_model)
 from methods import artifacts
 from methods.eagle import (EagleDrafter, EagleHead, draft_vocabulary, eagle_accuracy, eagle_loss, load_drafter,
                            unrolled, unrolled_mask)
 
 VOCAB = 16
-
-
-def random_head(model, seed: int, draft_vocab: int = VOCAB) -> EagleHead:
-    """A head with random weights over a random draft vocabulary of `draft_vocab` tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(model.config.vocab_size, generator=generator)[:draft_vocab].sort().values
-    head = EagleHead(model.config, ids).double()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
-    return head.use_lm_head(model.lm_head)
 
 
 @settings(deadline=None)
@@ -37,7 +27,7 @@ def random_head(model, seed: int, draft_vocab: int = VOCAB) -> EagleHead:
        draft_vocab=st.integers(1, VOCAB), head_seed=st.integers(0, 10**6))
 def test_eagle_equals_vanilla_greedy(seed, prompt, max_new, eos, rows, depth, expand, top_k, draft_vocab, head_seed):
     model = tiny_model(seed, vocab=VOCAB, max_positions=96)
-    drafter = EagleDrafter(model, random_head(model, head_seed, draft_vocab), rows, depth, expand, top_k)
+    drafter = EagleDrafter(model, random_eagle_head(model, head_seed, draft_vocab), rows, depth, expand, top_k)
     assert_equals_vanilla_greedy(model, prompt, max_new, eos, drafter)
 
 
@@ -49,7 +39,7 @@ def test_the_drafted_tree_sees_what_the_training_unroll_sees(seed, prompt, head_
     training unroll (eagle.unrolled, teacher-forced with the node's path) gives its token: the head's
     cache, positions and tree mask while decoding are the training's."""
     model = tiny_model(seed, vocab=VOCAB, max_positions=96)
-    head = random_head(model, head_seed)
+    head = random_eagle_head(model, head_seed, VOCAB)
     drafter = EagleDrafter(model, head, inputs=1 + 3 + 9 + 27, depth=3, expand=9, top_k=3)
     passes = []
     generate(model, prompt, max_new_tokens=1, eos_ids=set(), drafter=drafter, on_pass=passes.append)
@@ -91,7 +81,7 @@ def test_the_heads_cache_holds_each_positions_feature_and_the_token_after_it():
             wrong = (right[0] + 1) % VOCAB if right else 0
             return Tree([self.history[-1], wrong, *right], [-1, 0, 0, 2][:2 + len(right)])
 
-    drafter = WrongThenRight(model, random_head(model, 0), inputs=8, depth=3, expand=2, top_k=2)
+    drafter = WrongThenRight(model, random_eagle_head(model, 0, VOCAB), inputs=8, depth=3, expand=2, top_k=2)
     assert generate(model, prompt, max_new_tokens=16, eos_ids=set(), drafter=drafter).token_ids == answer
     with torch.no_grad():
         features = model.hidden_states(torch.tensor([text]), positions=torch.arange(len(text)))[0]
@@ -155,7 +145,7 @@ def test_the_draft_goes_deeper_only_while_a_step_could_pay_for_its_time():
     spent too. Where a pass is nearly free, one step is all that is drafted (depth 1); where it is dear,
     every depth is."""
     model = tiny_model(0, vocab=VOCAB, max_positions=96)
-    head = random_head(model, 0)
+    head = random_eagle_head(model, 0, VOCAB)
     depths = {}
     for name, pass_seconds in [("free", 1e-12), ("dear", 1e3)]:
         costs = Costs(Latency({1: pass_seconds}))
@@ -172,7 +162,7 @@ def test_the_heads_gain_is_what_its_accepted_guesses_made_the_pass_worth_beside_
     head's accepted guess here is worth a token, an input and 2 ms; a guess an n-gram made too is not the
     head's to claim."""
     model = tiny_model(0, vocab=VOCAB, max_positions=96)
-    drafter = EagleDrafter(model, random_head(model, 0), inputs=8, costs=Costs(Latency({1: 0.010, 3: 0.020})))
+    drafter = EagleDrafter(model, random_eagle_head(model, 0, VOCAB), inputs=8, costs=Costs(Latency({1: 0.010, 3: 0.020})))
     drafter.begin(Request([1, 2, 3], max_length=20))
     drafter.steady_reads, drafter.tree_seconds = [0.010, 0.001], 0.001  # (the first: the prompt)
 
