@@ -212,12 +212,15 @@ class TokenPrinter:
         self.stream = StreamDecoder(tokenizer)
         self.highlight, self.out = highlight, out or sys.stdout
         self.marks = ("\x1b[30;42m", "\x1b[0m") if sys.stdout.isatty() else ("⟦", "⟧")
+        self.line_open = False  # text printed since the last newline
 
     def __call__(self, ids: list[int], guessed: int) -> None:
         guessed_text = self.stream.push(ids[:guessed])
         if self.highlight and guessed_text:
             guessed_text = guessed_text.join(self.marks)
-        print(guessed_text + self.stream.push(ids[guessed:]), end="", flush=True, file=self.out)
+        text = guessed_text + self.stream.push(ids[guessed:])
+        print(text, end="", flush=True, file=self.out)
+        self.line_open = (self.line_open or bool(text)) and not text.endswith("\n")
 
     def finish(self) -> None:
         print(self.stream.flush(), flush=True, file=self.out)
@@ -233,9 +236,14 @@ def run_prompt(args, model, tokenizer, decoder, prompt_ids: list[int], sampling:
     trees = TreePrinter(tokenizer, args.show_tree, sys.stdout.isatty(), sys.stdout) if args.show_tree else None
     # with the trees drawn, the answer is held back and printed after them
     printer = None if args.json else TokenPrinter(tokenizer, args.show_accepts, io.StringIO() if trees else None)
-    gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
-                   drafter=decoder, sampling=sampling, generator=generator,
-                   typical=typical, on_tokens=printer, on_pass=trees)
+    try:
+        gen = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, eos_ids=tokenizer.eos_ids,
+                       drafter=decoder, sampling=sampling, generator=generator,
+                       typical=typical, on_tokens=printer, on_pass=trees)
+    except BaseException:  # Ctrl-C, or a course function not written yet, mid-answer: the error gets its own line
+        if printer is not None and printer.line_open and printer.out is sys.stdout:
+            print(flush=True)
+        raise
     stats = statistics(args, prompt_ids, gen, seed if not sampling.greedy else None)
     say_if_empty(tokenizer, gen.token_ids)
     if args.json:

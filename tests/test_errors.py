@@ -230,6 +230,19 @@ def test_ctrl_c_while_decoding_is_one_line(capsys, monkeypatch, world):
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
 
 
+def test_an_error_mid_answer_starts_its_own_line(capsys, monkeypatch, world):
+    """A stub reached after some of the answer streamed (a students' copy): the answer's line is ended,
+    so a terminal shows the error on a line of its own."""
+    def streams_then_stops(*args, on_tokens=None, **kwargs):
+        on_tokens([5, 6], 0)
+        raise NotImplementedError("a10_eagle_trees: implement grow")
+    monkeypatch.setattr("programs.cli.generate", streams_then_stops)
+    assert main(["--model", str(world / "tiny"), "--raw", "--prompt", "hi"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and captured.out.strip()
+    assert captured.err.strip().splitlines()[-1] == "error: not implemented: a10_eagle_trees: implement grow"
+
+
 @pytest.mark.parametrize("failure", [KeyboardInterrupt(), OSError(28, "No space left on device")])
 def test_a_conversion_that_stops_leaves_no_folder_behind(tmp_path, monkeypatch, failure):
     """Ctrl-C or a full disk in the middle of converting the default model: no half-written folder,
