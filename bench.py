@@ -320,6 +320,8 @@ def bench_methods(args, tokenizer, report):
         peer = PromptLookupPeer(default_model_dir(), DTYPES[dtype_name], args.device) if (
             dtype_name == "float32" and args.temperature == 0 and not args.skip_transformers) else None
         latency = machine_latency(model)  # measured (once per machine) before anything is timed
+        if args.keep_latency:
+            latency.save = None  # (the table this run learns stays its own)
         started_with = {n: latency(n) for n in LATENCY_SIZES}
         priced = Latency(started_with)  # one fixed L(n) for the modelled speedups of the whole run
         # one drafter per method and run: each sees every prompt once, in order, so Lookahead's trie,
@@ -1009,6 +1011,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trained", type=Path, metavar="PATH",
                    help="medusa / ppd / eagle / auto: the trained part to run, PATH.safetensors + PATH.json "
                         "(decode.py --trained; default: the one shipped for the model)")
+    g.add_argument("--keep-latency", action="store_true",
+                   help="leave this machine's saved L(n) as it was: by default a run refreshes it from its own "
+                        "passes, so two runs in a row start cost-aware drafting from different tables (use it to "
+                        "compare two heads or settings run one after the other)")
     g.add_argument("--categories", nargs="+", default=bench_data.CATEGORIES, choices=bench_data.CATEGORIES)
     g.add_argument("--prompts", type=integer(1, 100_000), default=2, metavar="N",
                    help="prompts per category, spread over the set")
@@ -1060,8 +1066,8 @@ def machine(device: torch.device) -> dict:
 # the options each benchmark reads (besides --out and --plot): one given to a benchmark that does not
 # read it is refused, never silently ignored (tests/test_bench.py checks this against the code)
 READS = {
-    "methods": {"backend", "categories", "device", "draft_layers", "dtypes", "full", "llama_cpp", "methods",
-                "new_tokens",
+    "methods": {"backend", "categories", "device", "draft_layers", "dtypes", "full", "keep_latency", "llama_cpp",
+                "methods", "new_tokens",
                 "prompts", "runs", "skip_transformers", "temperature", "trained", "tree_rows"},
     "acceptance": {"categories", "device", "draft_layers", "methods", "new_tokens", "prompts", "trained", "tree_rows"},
     "speculative": {"categories", "device", "draft_layers", "gammas", "new_tokens", "prompts", "reps", "temperature"},

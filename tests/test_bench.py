@@ -13,10 +13,12 @@ import pytest
 
 import backends
 import bench
+import calibrate
 from programs import bench_data
 from methods import registry as methods
 from errors import UserError
 from helpers import tiny_model
+from methods.latency import OnlineLatency
 
 FAKE_LOOKUP = """#!/usr/bin/env bash
 # llama-lookup's output: the prompt and the answer on stdout, timings on stderr
@@ -145,6 +147,21 @@ def test_vanilla_again_is_timed_like_a_method_but_is_no_contender_in_hindsight(t
     # modelled, its passes are vanilla's: the luck is gone (only the drafters' own microseconds differ)
     assert rows[bench.VANILLA_AGAIN]["modelled_speedup"] == pytest.approx(1.0, rel=0.02)
     assert rows["vanilla"]["modelled_speedup"] == 1.0
+
+
+def test_keep_latency_leaves_the_saved_table_as_it_was(tmp_path, monkeypatch, default_model):
+    monkeypatch.setattr(bench_data, "prompts", lambda category, count, held_out=False: ["Say hi."])
+    monkeypatch.setattr(calibrate, "THIS_RUN", {})
+    saved = []
+    monkeypatch.setattr(calibrate, "refresher", lambda key: lambda online: saved.append(key))
+    monkeypatch.setattr(OnlineLatency, "SAVE_EVERY", 1)  # a refresh after every pass, unless kept
+    arguments = ["--methods", "anpd", "--categories", "chat", "--new-tokens", "6", "--runs", "1",
+                 "--skip-transformers", "--out", str(tmp_path / "r.json")]
+    bench.main(arguments + ["--keep-latency"])
+    assert saved == []
+    calibrate.THIS_RUN.clear()
+    bench.main(arguments)
+    assert saved, "without --keep-latency the run refreshes the saved table"
 
 
 def test_the_spread_table_has_each_methods_lowest_and_highest_category():
