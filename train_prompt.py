@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer positions per step, 1..65536")
     medusa.add_argument("--lr", type=LEARNING_RATE, default=1e-3, help="peak learning rate (cosine to 0)")
     eagle = command("eagle", "train an EAGLE draft head (its features from one pass of the model over each "
-                    "answer)", records=4000, epochs=3)
+                    "answer)", records=4000, epochs=5)
     eagle.add_argument("--answers", choices=["sharegpt", "model"], default="sharegpt",
                        help="what the head learns from: ShareGPT's recorded replies run through the model once "
                             "(EAGLE's data), or the model's own greedy answers (self-distillation; generated once)")

@@ -87,7 +87,7 @@ def test_each_subcommand_has_its_own_defaults():
     assert (apar["records"], apar["max_new_tokens"], apar["max_prompt_tokens"], apar["epochs"]) == (3000, 512, 192, 2)
     assert vars(parser.parse_args(["data"]))["records"] == 480
     eagle = vars(parser.parse_args(["eagle"]))
-    assert (eagle["records"], eagle["epochs"], eagle["answers"], eagle["steps"]) == (4000, 3, "sharegpt", 2)
+    assert (eagle["records"], eagle["epochs"], eagle["answers"], eagle["steps"]) == (4000, 5, "sharegpt", 2)
 
 
 def test_eagle_features_are_cached_in_parts_and_a_stopped_run_reuses_the_finished_ones(tmp_path, monkeypatch):
