@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from assignments import ASSIGNMENTS, graded_names, split_entry
+from assignments import ASSIGNMENTS, graded_modules, graded_names, split_entry
 from mistakes import MISTAKES
 
 COURSE = Path(__file__).resolve().parent
@@ -25,9 +25,7 @@ def select(reference: bool, mistake: str | None) -> None:
 
 
 def reference(assignment: str, name: str):
-    module = next(module for module, qualified in map(split_entry, ASSIGNMENTS[assignment])
-                  if qualified.split(".")[0] == name)
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(graded_modules(assignment)[name]), name)
 
 
 def starter(assignment: str):

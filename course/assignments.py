@@ -41,9 +41,15 @@ def module_file(module: str) -> Path:
     return Path(*module.split(".")).with_suffix(".py")
 
 
+def graded_modules(assignment: str) -> dict[str, str]:
+    """The names a grader asks for, each with its module: each function, and each class once (its
+    methods come with it)."""
+    return {qualified.split(".")[0]: module for module, qualified in map(split_entry, ASSIGNMENTS[assignment])}
+
+
 def graded_names(assignment: str) -> list[str]:
-    """The names a grader asks for: each function, and each class once (its methods come with it)."""
-    return list(dict.fromkeys(split_entry(entry)[1].split(".")[0] for entry in ASSIGNMENTS[assignment]))
+    """The names a grader asks for (graded_modules), in the table's order."""
+    return list(graded_modules(assignment))
 
 
 def assignments_asked(description: str, what: str, arguments: list[str]) -> list[str]:

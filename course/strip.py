@@ -25,7 +25,7 @@ COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
 sys.path[:0] = [str(ROOT), str(COURSE)]
 
-from assignments import ASSIGNMENTS, graded_names, module_file, split_entry  # noqa: E402
+from assignments import ASSIGNMENTS, graded_modules, module_file, split_entry  # noqa: E402
 
 
 def definitions(module: str) -> tuple[str, dict[str, ast.AST]]:
@@ -114,10 +114,9 @@ def whole(source: str, function: ast.FunctionDef) -> str:
 
 def released(assignment: str) -> str:
     """course/<assignment>/starter.py once the assignment's answers are out: the project's own code."""
-    module_of = {split_entry(entry)[1].split(".")[0]: split_entry(entry)[0] for entry in ASSIGNMENTS[assignment]}
     by_module = defaultdict(list)
-    for name in graded_names(assignment):
-        by_module[module_of[name]].append(name)
+    for name, module in graded_modules(assignment).items():
+        by_module[module].append(name)
     imports = "\n".join(f"from {module} import {', '.join(names)}  # noqa: F401" for module, names in by_module.items())
     return (f'"""Assignment {assignment}: released. Its answers are the project\'s own code now; your\n'
             f'later assignments build on them."""\n\n{imports}\n')
