@@ -54,11 +54,14 @@ def test_a_compiled_pass_gives_the_plain_hidden_states_and_cache(tree_rows):
             hidden[name] = m.hidden_states(tokens, positions=torch.arange(start, start + tree_rows), cache=cache,
                                            slots=cache.claim(tree_rows))
     assert compiled.compiled_buckets == {next(b for b in cuda_graphs.STEP_BUCKETS if b >= tree_rows)}
-    torch.testing.assert_close(hidden["compiled"], hidden["plain"], rtol=1e-5, atol=1e-5)
+    # float32 rounding apart: which GEMM sums a compiled product is timed at compile (max_autotune_gemm), so the
+    # order of its sums, and the last bits, can change from run to run (1.1e-5 seen under a parallel test run)
+    close = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden["compiled"], hidden["plain"], **close)
     length = caches["plain"].length
     for part in ("keys", "values"):
         torch.testing.assert_close(getattr(caches["compiled"], part)[:, :, :, :length],
-                                   getattr(caches["plain"], part)[:, :, :, :length], rtol=1e-5, atol=1e-5)
+                                   getattr(caches["plain"], part)[:, :, :, :length], **close)
 
 
 def test_vanilla_and_trees_of_guesses_give_the_plain_models_tokens_across_windows():
