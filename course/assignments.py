@@ -28,17 +28,17 @@ ASSIGNMENTS = {
 }
 
 
+def module_file(module: str) -> Path:
+    """The file of a module named by its dotted path, relative to the project's root."""
+    return Path(*module.split(".")).with_suffix(".py")
+
+
 def split_entry(entry: str) -> tuple[str, str]:
     """("methods.eagle", "DraftTree.grow") for "methods.eagle.DraftTree.grow": the module is the longest
     dotted prefix that names a file of the project."""
     parts = entry.split(".")
-    cut = max(i for i in range(1, len(parts)) if (ROOT / Path(*parts[:i])).with_suffix(".py").is_file())
+    cut = max(i for i in range(1, len(parts)) if (ROOT / module_file(".".join(parts[:i]))).is_file())
     return ".".join(parts[:cut]), ".".join(parts[cut:])
-
-
-def module_file(module: str) -> Path:
-    """The file of a module named by its dotted path, relative to the project's root."""
-    return Path(*module.split(".")).with_suffix(".py")
 
 
 def graded_modules(assignment: str) -> dict[str, str]:
